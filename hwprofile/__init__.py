@@ -1,0 +1,1 @@
+"""hwprofile package (filled by later issues)."""

@@ -1,0 +1,1 @@
+"""nas package (filled by later issues)."""

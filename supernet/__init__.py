@@ -1,0 +1,1 @@
+"""supernet package (filled by later issues)."""

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny targets of every family (random weights, built from config objects)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from decode.images import bundled_photo
+from decode.loader import load_target
+
+TEXT_PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-gemma3-text")
+VLM_PRESETS = ("tiny-llava", "tiny-llava-next", "tiny-smolvlm", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-mistral3",
+               "tiny-paligemma")
+ALL_PRESETS = TEXT_PRESETS + VLM_PRESETS
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target(name: str):
+    torch.manual_seed(0)
+    return load_target(name, device="cpu", dtype="float32")
+
+
+@functools.lru_cache(maxsize=None)
+def photo(name: str = "astronaut"):
+    return bundled_photo(name)
+
+
+def tiny_prompt(target, text: str = "Tell me about the picture, please.", with_image: bool = True):
+    return target.build_prompt(text, photo() if (with_image and target.is_vlm) else None)
+
+
+@pytest.fixture(params=ALL_PRESETS)
+def any_target(request):
+    return tiny_target(request.param)
