@@ -26,6 +26,7 @@ from functools import reduce
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from decode.capture import capture_hidden
 from decode.families import FamilySpec
@@ -202,17 +203,57 @@ class TargetModel:
         )
 
     # ----------------------------------------------------------------- tree verification
-    def _masks(self, tree_mask: torch.Tensor, depths: torch.Tensor, past_len: int) -> torch.Tensor | dict:
+    def _masks(self, tent_mask: torch.Tensor, q_depths: torch.Tensor, k_depths: torch.Tensor, past_len: int):
         cfg = self.text_config
 
         def build(window: int | None) -> torch.Tensor:
-            allowed = tree_attention_allowed(tree_mask, depths, past_len, window)
-            return additive_mask(allowed, self.dtype)[None, None]  # (1, 1, N, P+N)
+            allowed = tree_attention_allowed(tent_mask, q_depths, k_depths, past_len, window)
+            return additive_mask(allowed, self.dtype)[None, None]  # (1, 1, N, P+M)
 
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types:  # hybrid models take one mask per layer type
             return {t: build(cfg.sliding_window if t == "sliding_attention" else None) for t in set(layer_types)}
         return build(getattr(cfg, "sliding_window", None))
+
+    def _run_decoder(
+        self,
+        tokens: torch.Tensor,
+        tent_mask: torch.Tensor,
+        q_depths: torch.Tensor,
+        k_depths: torch.Tensor,
+        cache: DynamicCache,
+        past_len: int,
+        feature_layers: tuple[int, ...] = (),
+        num_layers: int | None = None,
+    ) -> TreeOutput:
+        """Append N tokens to `cache` (which holds past_len committed + M-N tentative entries).
+
+        num_layers < L runs only the first layers (then the final norm and LM head): the
+        layer-skip self-draft. The decoder's layer list is swapped for its prefix meanwhile.
+        """
+        n = tokens.numel()
+        positions = (past_len + self._offset + q_depths)[None]  # (1, N)
+        if self.spec.mrope:
+            positions = positions[None].expand(3, 1, n)  # (3, 1, N): text tokens share t/h/w positions
+        full_layers = self.decoder.layers
+        if num_layers is not None:
+            self.decoder.layers = full_layers[:num_layers]
+        try:
+            with capture_hidden(self.decoder, feature_layers, self.num_layers) as store:
+                out = self.decoder(
+                    input_ids=tokens[None],
+                    attention_mask=self._masks(tent_mask, q_depths, k_depths, past_len),
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                )
+        finally:
+            self.decoder.layers = full_layers
+        logits = self.lm_head(out.last_hidden_state)[0].float()  # (N, V)
+        cap = getattr(self.text_config, "final_logit_softcapping", None)
+        if self.spec.softcap_logits and cap:
+            logits = torch.tanh(logits / cap) * cap
+        return TreeOutput(logits=logits, hidden={k: v[0] for k, v in store.items()})
 
     @torch.no_grad()
     def forward_tree(
@@ -245,23 +286,46 @@ class TargetModel:
             raise ValueError(f"tree_mask must be ({n}, {n}), got {tuple(tree_mask.shape)}")
         depths = depths_from_mask(tree_mask)
         past = self.cache.get_seq_length()
-        positions = (past + self._offset + depths)[None]  # (1, N)
-        if self.spec.mrope:
-            positions = positions[None].expand(3, 1, n)  # (3, 1, N): text tokens share t/h/w positions
-        with capture_hidden(self.decoder, feature_layers, self.num_layers) as store:
-            out = self.decoder(
-                input_ids=tokens[None],
-                attention_mask=self._masks(tree_mask, depths, past),
-                position_ids=positions,
-                cache=self.cache,
-                use_cache=True,
-            )
-        logits = self.lm_head(out.last_hidden_state)[0].float()  # (N, V)
-        cap = getattr(self.text_config, "final_logit_softcapping", None)
-        if self.spec.softcap_logits and cap:
-            logits = torch.tanh(logits / cap) * cap
+        out = self._run_decoder(tokens, tree_mask, depths, depths, self.cache, past, feature_layers)
         self._tree = (past, tree_mask)
-        return TreeOutput(logits=logits, hidden={k: v[0] for k, v in store.items()})
+        return out
+
+    # ----------------------------------------------------------------- layer-skip self-draft
+    def prefix_cache(self, num_layers: int) -> DynamicCache:
+        """A new cache holding copies of the committed KV of the first num_layers layers.
+
+        The first layers of the target see exactly the same inputs as a self-draft made of those
+        layers, so their committed KV is the draft's committed KV: no catch-up forward needed.
+        """
+        if self.cache is None or self._tree is not None:
+            raise RuntimeError("prefix_cache needs a prefilled target with no pending tree")
+        if not 1 <= num_layers < self.num_layers:
+            raise ValueError(f"layer-skip needs 1 <= K < {self.num_layers}, got {num_layers}")
+        cache = DynamicCache()
+        for layer in self.cache.layers[:num_layers]:
+            cache.layers.append(DynamicLayer())
+            cache.layers[-1].update(layer.keys, layer.values)  # torch.cat into the new layer: a copy
+        return cache
+
+    @torch.no_grad()
+    def forward_prefix(
+        self,
+        num_layers: int,
+        cache: DynamicCache,
+        tokens: torch.Tensor,
+        tent_mask: torch.Tensor,
+        q_depths: torch.Tensor,
+        k_depths: torch.Tensor,
+    ) -> torch.Tensor:
+        """(N, V) logits of the first num_layers layers + final norm + LM head for N tree tokens.
+
+        `cache` comes from prefix_cache() and grows by N tentative entries; tent_mask (N, M) and
+        k_depths (M,) describe all M tentative entries (earlier levels, then these N tokens).
+        """
+        return self._run_decoder(
+            tokens.to(self.device).reshape(-1), tent_mask.to(self.device), q_depths.to(self.device),
+            k_depths.to(self.device), cache, self.seq_len, num_layers=num_layers,
+        ).logits
 
     def keep(self, indices: torch.Tensor | list[int]) -> None:
         """Commit the accepted root-to-node path of the last tree; drop every other tree entry.

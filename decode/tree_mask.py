@@ -48,20 +48,26 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tree_attention_allowed(
-    tree_mask: torch.Tensor, depths: torch.Tensor, past_len: int, sliding_window: int | None
+    tent_mask: torch.Tensor,
+    q_depths: torch.Tensor,
+    k_depths: torch.Tensor,
+    past_len: int,
+    sliding_window: int | None,
 ) -> torch.Tensor:
-    """(N, past_len + N) bool: which keys each tree token may attend to.
+    """(N, past_len + M) bool: which keys each of N new tree tokens may attend to.
 
-    Keys 0..past_len-1 are the committed tokens at positions 0..past_len-1; tree token i sits at
-    position past_len + depths[i]. With a sliding window W a query at position q only sees keys
-    at positions k with q - k < W (the HF convention: kv_idx > q_idx - W).
+    Keys are the past_len committed tokens (positions 0..past_len-1) followed by M tentative tree
+    tokens (earlier tree levels, then the N new ones) at positions past_len + k_depths.
+    tent_mask (N, M) says which tentative keys each query may see (its ancestors and itself).
+    Query i sits at position past_len + q_depths[i]. With a sliding window W a query at position q
+    only sees keys at positions k with q - k < W (HF convention: kv_idx > q_idx - W).
     """
-    n = tree_mask.shape[0]
-    device = tree_mask.device
+    n = tent_mask.shape[0]
+    device = tent_mask.device
     past = torch.ones(n, past_len, dtype=torch.bool, device=device)
-    allowed = torch.cat([past, tree_mask], dim=1)  # (N, P+N)
+    allowed = torch.cat([past, tent_mask], dim=1)  # (N, P+M)
     if sliding_window is not None:
-        q_pos = past_len + depths  # (N,)
-        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + depths])  # (P+N,)
+        q_pos = past_len + q_depths  # (N,)
+        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + k_depths])  # (P+M,)
         allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
     return allowed

@@ -1,0 +1,192 @@
+"""DraftModel: the neural draft built from a DraftArch and the target's shapes; save/load.
+
+Inputs per draft position j (aligned with the target's positions): token x_j and a feature g_j.
+    concat/hybrid: g_j = feat_fc(target features of position j-1) for committed tokens, or the
+                   draft's own output hidden of the parent node for tokens it drafted itself;
+                   the layer input is in_fc([embed(x_j); g_j]).  (EAGLE)
+    cross/hybrid:  layers cross-attend (tanh-gated) to a memory of feat_fc(target features) of
+                   earlier positions.  (DREAM)
+The output hidden h_j predicts x_{j+1} through norm + LM head (draft_vocab rows, d2t map).
+
+The token embedding is the target's (shared, never saved); so is the LM head when draft_vocab is
+the full vocabulary. A checkpoint is a directory with model.safetensors + draft_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from decode.arch import DraftArch
+from decode.draft_blocks import DraftKV, DraftLayer, RMSNorm
+from decode.errors import UserError
+
+if TYPE_CHECKING:
+    from decode.target import TargetModel
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "draft_config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TargetDims:
+    """The target shapes a draft is built for."""
+
+    hidden_size: int
+    head_dim: int
+    vocab_size: int
+    num_layers: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def of(cls, target: "TargetModel") -> "TargetDims":
+        cfg = target.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(target.hidden_size, int(head_dim), target.vocab_size, target.num_layers,
+                   float(getattr(cfg, "rms_norm_eps", 1e-6)))
+
+
+class DraftModel(nn.Module):
+    def __init__(self, arch: DraftArch, dims: TargetDims, d2t: torch.Tensor | None = None):
+        super().__init__()
+        self.arch, self.dims = arch, dims
+        h = dims.hidden_size
+        vd = arch.draft_vocab or dims.vocab_size
+        if vd > dims.vocab_size:
+            raise UserError(f"draft_vocab {vd} exceeds the target vocabulary ({dims.vocab_size})")
+        for layer in arch.feature_layers:
+            if not -(dims.num_layers + 1) <= layer <= dims.num_layers:
+                raise UserError(f"feature layer {layer} does not exist in a {dims.num_layers}-layer target")
+        self.feat_fc = nn.Linear(len(arch.feature_layers) * h, h, bias=True)
+        self.in_fc = nn.Linear(2 * h, h, bias=False) if arch.uses_concat else None
+        self.layers = nn.ModuleList(
+            DraftLayer(h, arch.heads[i], dims.head_dim, arch.ffn[i], arch.uses_cross, dims.rms_eps)
+            for i in range(arch.depth)
+        )
+        self.norm = RMSNorm(h, dims.rms_eps)
+        self.own_head = arch.draft_vocab is not None and arch.draft_vocab < dims.vocab_size
+        self.head = nn.Linear(h, vd, bias=False) if self.own_head else None
+        d2t = torch.arange(vd) if d2t is None else d2t.long()
+        if d2t.shape != (vd,) or int(d2t.max()) >= dims.vocab_size or d2t.unique().numel() != vd:
+            raise UserError(f"d2t must hold {vd} distinct target token ids")
+        self.register_buffer("d2t", d2t, persistent=True)
+        # the target's embedding and LM head, set by attach(); a tuple so that nn.Module does not
+        # register them as submodules (they must not be saved, moved or trained with the draft)
+        self._shared: tuple[nn.Embedding, nn.Linear] | tuple = ()
+
+    # ------------------------------------------------------------------ wiring to a target
+    def attach(self, target: "TargetModel", init_head: bool = False) -> "DraftModel":
+        """Share the target's token embedding (and LM head for full vocab); move to its device/dtype.
+
+        init_head copies the selected target LM-head rows into the draft head (fresh drafts).
+        """
+        if TargetDims.of(target) != self.dims:
+            raise UserError(f"draft was built for target dims {self.dims}, not {TargetDims.of(target)}")
+        self._shared = (target.decoder.embed_tokens, target.lm_head)
+        self.to(device=target.device, dtype=target.dtype)
+        if self.own_head and init_head:
+            with torch.no_grad():
+                self.head.weight.copy_(target.lm_head.weight[self.d2t])
+        return self
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(tokens, self._shared[0].weight)  # raw table (no family scaling)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, H) draft hidden -> (n, V_target) logits; tokens outside the draft vocab get -inf."""
+        z = self.norm(hidden)
+        if not self.own_head:
+            return self._shared[1](z).float()
+        out = torch.full((z.shape[0], self.dims.vocab_size), -float("inf"), device=z.device)
+        out[:, self.d2t] = self.head(z).float()
+        return out
+
+    def project_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """(n, F*H) concatenated target features -> (n, H)."""
+        return self.feat_fc(feats.to(self.feat_fc.weight.dtype))
+
+    def add_memory(self, cache: DraftKV, mem: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append projected target features (m, H) at target positions (m,) to the cross memory."""
+        if not self.arch.uses_cross or mem.shape[0] == 0:
+            return
+        for i, layer in enumerate(self.layers):
+            cache.append_memory(i, layer.cross.memory_kv(mem))
+        cache.mem_pos = positions if cache.mem_pos is None else torch.cat([cache.mem_pos, positions])
+
+    def forward(
+        self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: DraftKV
+    ) -> torch.Tensor:
+        """Run n new positions; append their K/V to `cache`.
+
+        tokens (n,), g (n, H) fused feature inputs (ignored by pure cross fusion), positions (n,),
+        allowed (n, L + n) bool over the cache entries then the new ones. Returns hidden (n, H).
+        """
+        x = self.embed(tokens)
+        if self.in_fc is not None:
+            x = self.in_fc(torch.cat([x, g.to(x.dtype)], dim=-1))
+        mem_allowed = None
+        if self.arch.uses_cross:
+            mem_pos = cache.mem_pos if cache.mem_pos is not None else positions.new_zeros(0)
+            mem_allowed = mem_pos[None, :] < positions[:, None]  # (n, m) causal: only earlier positions' features
+        for i, layer in enumerate(self.layers):
+            mem_kv = cache.mem_kv[i]
+            if self.arch.uses_cross and mem_kv is None:
+                empty = x.new_zeros(layer.cross.heads, 0, layer.cross.head_dim)
+                mem_kv = (empty, empty)
+            x, kv = layer(x, positions, allowed, cache.kv[i], self.dims.rope_theta, mem_kv, mem_allowed)
+            cache.append(i, kv)
+        return x
+
+    def new_cache(self) -> DraftKV:
+        return DraftKV(len(self.layers))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, directory: str | Path, target: "TargetModel", metadata: dict | None = None) -> Path:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(out / WEIGHTS_NAME))
+        config = {
+            "format": "vlm-draft-nas/draft-v1",
+            "arch": self.arch.to_dict(),
+            "dims": asdict(self.dims),
+            "tree": asdict(self.arch.tree),
+            "target": target.fingerprint().to_dict(),
+            "target_name": target.name,
+            "metadata": metadata or {},
+        }
+        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+        return out
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: "TargetModel") -> "DraftModel":
+        path = Path(directory)
+        cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
+        if not cfg_file.is_file() or not weights.is_file():
+            raise UserError(f"'{directory}' is not a draft checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        config = json.loads(cfg_file.read_text())
+        want = config.get("target", {})
+        have = target.fingerprint().to_dict()
+        if want != have:
+            diff = ", ".join(f"{k}: draft {want.get(k)!r} vs target {have.get(k)!r}" for k in have if want.get(k) != have.get(k))
+            raise UserError(f"draft '{directory}' was made for target '{config.get('target_name')}', "
+                            f"not '{target.name}' ({diff}); pass the matching --target")
+        arch = DraftArch.from_dict(config["arch"])
+        state = load_file(str(weights))
+        model = cls(arch, TargetDims(**config["dims"]), d2t=state.get("d2t"))
+        try:
+            model.load_state_dict(state, strict=True)  # strict: any missing or extra tensor is an error
+        except RuntimeError as err:
+            raise UserError(f"draft '{directory}' weights do not match its draft_config.json: {str(err).splitlines()[0]}") from None
+        model.metadata = config.get("metadata", {})
+        return model.attach(target).eval()

@@ -1,0 +1,58 @@
+"""Draft kinds behind one interface (decode.drafts.base.Draft) and the spec parser used by the CLIs.
+
+    DIR             a neural draft checkpoint (model.safetensors + draft_config.json)
+    prompt-lookup   n-gram lookup in the prompt and output so far
+    layerskip:K     the target's first K layers + final norm + LM head
+    random:FUSION   a randomly initialised neural draft (concat|cross|hybrid), for tests and demos
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from decode.arch import FUSIONS, DraftArch
+from decode.draft_model import DraftModel, TargetDims
+from decode.drafts.base import Draft
+from decode.drafts.layerskip import LayerSkipDraft
+from decode.drafts.neural import NeuralDraft
+from decode.drafts.prompt_lookup import PromptLookupDraft
+from decode.errors import UserError
+
+__all__ = ["Draft", "LayerSkipDraft", "NeuralDraft", "PromptLookupDraft", "make_draft", "random_arch"]
+
+_SPEC_HELP = "use a draft checkpoint directory, prompt-lookup, layerskip:K or random:concat|cross|hybrid"
+
+
+def random_arch(target, fusion: str = "concat", **overrides) -> DraftArch:
+    """A one-layer draft shaped like one target layer (EAGLE-like defaults)."""
+    cfg = target.text_config
+    base = dict(fusion=fusion, feature_layers=(-1,), depth=1, heads=(int(cfg.num_attention_heads),),
+                ffn=(int(cfg.intermediate_size),))
+    base.update(overrides)
+    return DraftArch(**base)
+
+
+def make_draft(spec: str, target, seed: int = 0) -> Draft:
+    spec = spec.strip()
+    if spec == "prompt-lookup":
+        return PromptLookupDraft()
+    if spec.startswith("layerskip:"):
+        try:
+            k = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise UserError(f"bad draft '{spec}': layerskip:K needs an integer K") from None
+        if not 1 <= k < target.num_layers:
+            raise UserError(f"bad draft '{spec}': K must be in 1..{target.num_layers - 1} for this target")
+        return LayerSkipDraft(k)
+    if spec.startswith("random:"):
+        fusion = spec.split(":", 1)[1]
+        if fusion not in FUSIONS:
+            raise UserError(f"bad draft '{spec}': {_SPEC_HELP}")
+        import torch
+
+        torch.manual_seed(seed)
+        model = DraftModel(random_arch(target, fusion), TargetDims.of(target)).attach(target, init_head=True).eval()
+        return NeuralDraft(model, name=spec)
+    if Path(spec).is_dir():
+        return NeuralDraft(DraftModel.from_pretrained(spec, target), name=Path(spec).name)
+    raise UserError(f"unknown draft '{spec}': {_SPEC_HELP}")

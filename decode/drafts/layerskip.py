@@ -1,0 +1,36 @@
+"""Layer-skip self-draft: the target's first K layers + its final norm and LM head (no training)."""
+
+from __future__ import annotations
+
+import torch
+
+from decode.drafts.base import ModelDraft, TentativeSlots
+
+
+class LayerSkipDraft(ModelDraft):
+    def __init__(self, num_layers: int):
+        self.k = num_layers
+        self.name = f"layerskip:{num_layers}"
+        self.target = None
+        self.cache = None
+        self.slots: TentativeSlots | None = None
+
+    def start(self, target, prompt, prefill) -> None:
+        if not 1 <= self.k < target.num_layers:
+            from decode.errors import UserError
+
+            raise UserError(f"layerskip:K needs 1 <= K < {target.num_layers} (the target's layers), got {self.k}")
+        self.target = target
+
+    def _begin(self, root: int) -> None:
+        # the target's first K layers hold exactly this draft's committed KV: copy, no catch-up
+        self.cache = self.target.prefix_cache(self.k)
+        self.slots = TentativeSlots(root_committed=False)
+
+    def _node_logits(self, nodes, tokens, parents) -> torch.Tensor:
+        tent_mask, q_depths, k_depths = self.slots.add(nodes, parents.tolist())
+        return self.target.forward_prefix(self.k, self.cache, tokens, tent_mask, q_depths, k_depths)
+
+    def _end(self) -> None:
+        self.cache = None
+        self.slots = None

@@ -1,0 +1,106 @@
+"""NeuralDraft: runs a DraftModel inside the speculative loop.
+
+Draft position j is fed (token x_j, target feature of position j-1). Pairs whose inputs are exact
+(prompt tokens, accepted tokens, the root) are *committed* to the draft cache; tree nodes beyond
+the root are tentative, fed with their parent's draft hidden as feature, and dropped after each
+proposal. Committed pairs wait in `pending` until the next proposal feeds them together with the
+root in one forward (the root's output starts the tree).
+
+visual_keep < 1: only the image tokens that receive the most attention from the target at
+prefill stay in the draft's view (its cache and its cross-attention memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from decode.draft_model import DraftModel
+from decode.drafts.base import ModelDraft, TentativeSlots
+
+
+class NeuralDraft(ModelDraft):
+    def __init__(self, model: DraftModel, name: str = "neural"):
+        self.model = model
+        self.name = name
+        arch = model.arch
+        self.feature_layers = arch.feature_layers
+        self.attention_stats = arch.visual_keep < 1.0
+        self.default_tree = arch.tree
+
+    # ------------------------------------------------------------------ state
+    def _feats(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """{layer: (m, H)} -> (m, F*H) in feature_layers order."""
+        return torch.cat([hidden[layer] for layer in self.feature_layers], dim=-1)
+
+    @torch.no_grad()
+    def start(self, target, prompt, prefill) -> None:
+        self.cache = self.model.new_cache()
+        feats = self._feats(prefill.hidden)  # (T, F*H)
+        t = feats.shape[0]
+        keep = torch.ones(t, dtype=torch.bool)
+        img = prefill.image_positions.cpu()
+        if img.numel() and self.model.arch.visual_keep < 1.0:
+            n_keep = max(1, math.ceil(self.model.arch.visual_keep * img.numel()))
+            score = prefill.attn_received.cpu()[img]
+            keep[img] = False
+            keep[img[score.topk(n_keep).indices]] = True
+        pos = keep.nonzero().flatten().to(feats.device)  # positions the draft sees
+        prev = torch.cat([feats.new_zeros(1, feats.shape[1]), feats[:-1]])  # feature of position j-1
+        self.pending_tokens = prompt.input_ids[0].to(feats.device)[pos]
+        self.pending_feats = prev[pos]
+        self.pending_pos = pos
+        self.model.add_memory(self.cache, self.model.project_features(feats[pos]), pos)
+        self.root_feat = feats[-1]  # the root (first generated token) pairs with the last prompt feature
+        self.root_pos = t
+
+    @torch.no_grad()
+    def accept(self, path_tokens, path_hidden, bonus) -> None:
+        feats = self._feats(path_hidden)  # (m, F*H): target features at root, a1 .. a_{m-1}
+        m = feats.shape[0]
+        pos = torch.arange(self.root_pos, self.root_pos + m, device=feats.device)
+        # root already committed; a_i at root_pos + i pairs with the feature of its predecessor
+        self.pending_tokens = torch.tensor(path_tokens[1:], dtype=torch.long, device=feats.device)
+        self.pending_feats = feats[:-1]
+        self.pending_pos = pos[1:]
+        self.model.add_memory(self.cache, self.model.project_features(feats), pos)
+        self.root_feat = feats[-1]
+        self.root_pos = self.root_pos + m
+
+    # ------------------------------------------------------------------ tree scoring
+    def _begin(self, root: int) -> None:
+        self.slots = TentativeSlots(root_committed=True)
+        self.hidden_of: dict[int, torch.Tensor] = {}
+
+    def _node_logits(self, nodes, tokens, parents) -> torch.Tensor:
+        model, cache = self.model, self.cache
+        dev = self.root_feat.device
+        tokens = tokens.to(dev)
+        if nodes == [0]:
+            # pending committed pairs + the root, causal among themselves, all committed
+            toks = torch.cat([self.pending_tokens, tokens])
+            g = model.project_features(torch.cat([self.pending_feats, self.root_feat[None]]))
+            pos = torch.cat([self.pending_pos, torch.tensor([self.root_pos], device=dev)])
+            n, past = toks.numel(), cache.length
+            allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev),
+                                 torch.ones(n, n, dtype=torch.bool, device=dev).tril()], dim=1)
+            hidden = model(toks, g, pos, allowed, cache)
+            cache.commit()
+            self.hidden_of[0] = hidden[-1]
+            return model.logits(hidden[-1:])
+        tent_mask, q_depths, _ = self.slots.add(nodes, parents.tolist())
+        g = torch.stack([self.hidden_of[p] for p in parents.tolist()])  # parent's draft hidden (EAGLE)
+        pos = self.root_pos + q_depths.to(dev)
+        allowed = torch.cat([torch.ones(len(nodes), cache.committed, dtype=torch.bool, device=dev),
+                             tent_mask.to(dev)], dim=1)
+        hidden = model(tokens, g, pos, allowed, cache)
+        for node, h in zip(nodes, hidden):
+            self.hidden_of[node] = h
+        return model.logits(hidden)
+
+    def _end(self) -> None:
+        self.cache.drop_tentative()
+        self.pending_tokens = self.pending_tokens[:0]
+        self.pending_feats = self.pending_feats[:0]
+        self.pending_pos = self.pending_pos[:0]

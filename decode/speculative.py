@@ -1,0 +1,103 @@
+"""The speculative loop: prefill, then cycles of draft -> verify -> accept until EOS or the limit.
+
+Each cycle: the draft proposes a tree rooted at the last emitted token, the target scores the
+whole tree in one forward, `verify` picks the accepted path and a bonus token (lossless: see
+decode/verify.py), the target keeps that path in its cache, and the draft is told the outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from decode.drafts.base import Draft
+from decode.prompt import Prompt
+from decode.sampling import SamplingConfig, make_generator, sample_token
+from decode.target import TargetModel
+from decode.tree import TreePolicy
+from decode.vanilla import GenerationResult, _sync, check_max_new_tokens
+from decode.verify import verify
+
+
+@dataclass
+class SpecResult(GenerationResult):
+    cycles: int = 0
+    draft_s: float = 0.0  # time in draft.propose / draft.accept
+    verify_s: float = 0.0  # time in target.forward_tree + verify + keep
+    accept_hist: dict[int, int] = field(default_factory=dict)  # drafted tokens accepted per cycle -> count
+    tree_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target verify forward (bonus included); the prefill token is not counted."""
+        return (self.new_tokens - 1) / self.cycles if self.cycles else 0.0
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d.update(tau=self.tau, accept_hist={str(k): v for k, v in sorted(self.accept_hist.items())})
+        return d
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: TargetModel,
+    draft: Draft,
+    prompt: Prompt,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    policy: TreePolicy | None = None,
+) -> SpecResult:
+    check_max_new_tokens(max_new_tokens)
+    policy = policy or TreePolicy(spec=draft.default_tree)
+    gen = make_generator(sampling, target.device)
+    eos = target.eos_token_ids
+    t0 = time.perf_counter()
+    pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.attention_stats)
+    root = sample_token(pre.logits[-1], sampling, gen)
+    _sync(target.device)
+    t1 = time.perf_counter()
+    tokens = [root]
+    draft_s = verify_s = 0.0
+    hist: Counter[int] = Counter()
+    sizes: list[int] = []
+    td = time.perf_counter()
+    draft.start(target, prompt, pre)
+    draft_s += time.perf_counter() - td
+    while len(tokens) < max_new_tokens and root not in eos:
+        td = time.perf_counter()
+        # never draft deeper than we may still emit: accepted + bonus <= remaining
+        tree = draft.propose(root, policy, sampling, gen).truncated(max_new_tokens - len(tokens) - 1)
+        _sync(target.device)
+        tv = time.perf_counter()
+        out = target.forward_tree(tree.tokens, tree.parents, feature_layers=draft.feature_layers)
+        path, bonus = verify(tree, out.logits, sampling, gen)
+        target.keep(path)
+        _sync(target.device)
+        td2 = time.perf_counter()
+        path_tokens = tree.tokens[path].tolist()
+        new = path_tokens[1:] + [bonus]
+        for i, tok in enumerate(new):  # stop right after an EOS, as vanilla decoding does
+            if tok in eos:
+                new = new[: i + 1]
+                break
+        tokens.extend(new)
+        hist[len(path) - 1] += 1
+        sizes.append(tree.size)
+        root = new[-1]
+        if root not in eos and len(tokens) < max_new_tokens:
+            draft.accept(path_tokens, {k: v[path] for k, v in out.hidden.items()}, bonus)
+        _sync(target.device)
+        t_end = time.perf_counter()
+        draft_s += (tv - td) + (t_end - td2)
+        verify_s += td2 - tv
+    _sync(target.device)
+    t2 = time.perf_counter()
+    tokens = tokens[:max_new_tokens]
+    return SpecResult(
+        tokens=tokens, text=target.tokenizer.decode(tokens, skip_special_tokens=True),
+        prefill_s=t1 - t0, decode_s=t2 - t1, target_forwards=len(sizes),
+        cycles=len(sizes), draft_s=draft_s, verify_s=verify_s, accept_hist=dict(hist), tree_sizes=sizes,
+    )
