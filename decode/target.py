@@ -299,8 +299,8 @@ class TargetModel:
         """
         if self.cache is None or self._tree is not None:
             raise RuntimeError("prefix_cache needs a prefilled target with no pending tree")
-        if not 1 <= num_layers < self.num_layers:
-            raise ValueError(f"layer-skip needs 1 <= K < {self.num_layers}, got {num_layers}")
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"a layer prefix needs 1 <= K <= {self.num_layers}, got {num_layers}")
         cache = DynamicCache()
         for layer in self.cache.layers[:num_layers]:
             cache.layers.append(DynamicLayer())

@@ -44,7 +44,6 @@ def verify_sampling(
     logits: torch.Tensor,
     cfg: SamplingConfig,
     generator: torch.Generator | None,
-    use_q: bool | None = None,
 ) -> tuple[list[int], int]:
     """Multi-candidate recursive rejection sampling down the tree (exactly the target's distribution).
 
@@ -60,10 +59,12 @@ def verify_sampling(
       reads: accept with probability p(x); on rejection p <- p with x zeroed, renormalised.
 
     An accepted child becomes the node (its own target distribution, its own children); when every
-    child is rejected the bonus token is drawn from the final residual p. `use_q` overrides which
-    rule is used (only for tests that show a wrong rule is caught).
+    child is rejected the bonus token is drawn from the final residual p.
+
+    (The point-mass rule is exact for any candidate, however chosen; the q rule accepts more
+    often when candidates really are draws from q.)
     """
-    sampled = tree.sampled if use_q is None else use_q
+    sampled = tree.sampled
     probs = probs_from_logits(logits, cfg)  # (N, V)
     tokens = tree.tokens.tolist()
     kids = _children_lists(tree)
