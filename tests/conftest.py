@@ -31,6 +31,16 @@ def tiny_prompt(target, text: str = "Tell me about the picture, please.", with_i
     return target.build_prompt(text, photo() if (with_image and target.is_vlm) else None)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box OpenMP threads
+    spin against other processes (a 0.3 s test took 12 s with 2 threads under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=ALL_PRESETS)
 def any_target(request):
     return tiny_target(request.param)

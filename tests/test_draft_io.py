@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import tiny_prompt, tiny_target
 from decode.arch import DraftArch
-from decode.draft_model import CONFIG_NAME, WEIGHTS_NAME, DraftModel, TargetDims
+from decode.draft_model import WEIGHTS_NAME, DraftModel, TargetDims
 from decode.drafts import NeuralDraft, make_draft, random_arch
 from decode.errors import UserError
 from decode.speculative import speculative_generate

@@ -1,0 +1,250 @@
+"""`python -m decode.bench`: vanilla vs drafts, side by side on held-out prompts, in one process.
+
+    python -m decode.bench --target smollm2-135m --drafts prompt-lookup,layerskip:12 --prompts sharegpt:20
+    python -m decode.bench --target smolvlm-135m --drafts out/draft-h200,prompt-lookup --prompts sharegpt:20,images:5
+
+Per prompt: the prompt is built once, then vanilla decoding and every draft run interleaved
+--repeats times (after one untimed warm-up of each method on the first prompt); each (prompt,
+method) keeps the median wall time. Summary per method:
+
+    tokens_per_s    total new tokens / total of the per-prompt median wall times (prefill included)
+    speedup         tokens_per_s / vanilla's tokens_per_s
+    median_speedup  median over prompts of (method tokens/s / vanilla tokens/s) on that prompt
+    tau             mean over prompts of tokens emitted per target verify forward (bonus included)
+    identical_rate  share of prompts whose greedy output equals vanilla's token for token
+                    (null when sampling: speculative sampling matches the distribution, not the draws)
+
+Results go to --out (default benchmarks/results/bench-<target>-<device>-<date>.json) with the
+config, command line, device, library versions and every per-prompt row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from decode.benchio import VANILLA, Method, check_tree_args, default_out_path, environment, identical, make_policy, \
+    measure, merge_hists, warm_up, write_json
+from decode.datasets import PromptItem, parse_prompt_spec
+from decode.errors import UserError
+from decode.sampling import SamplingConfig
+from decode.vanilla import check_max_new_tokens
+
+logger = logging.getLogger("decode.bench")  # not __main__ under python -m
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str = "smolvlm-135m"
+    drafts: tuple[str, ...] = ("prompt-lookup",)
+    prompts: str = "sharegpt:20,images:5"
+    split: str = "heldout"
+    max_new_tokens: int = 128
+    repeats: int = 3
+    warmup: bool = True
+    tree: str | None = None  # dynamic | chain | static:B1,B2,.. (None: dynamic)
+    tree_depth: int | None = None  # overrides of each draft's default TreeSpec
+    top_k: int | None = None
+    total_tokens: int | None = None
+    candidates: str = "topk"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0  # fixed, so every repeat of a sampled method draws the same text
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: str | None = None
+    out: str | None = None
+
+    @property
+    def tree_overrides(self) -> dict[str, int | None]:
+        return {"tree_depth": self.tree_depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def check(self) -> None:
+        """UserError for anything wrong that can be seen before loading a model."""
+        if not self.drafts or any(not d.strip() for d in self.drafts):
+            raise UserError(f"--drafts needs a comma-separated list of draft specs, got {','.join(self.drafts)!r}")
+        if len(set(self.drafts)) != len(self.drafts):
+            raise UserError(f"--drafts lists a draft twice: {','.join(self.drafts)}")
+        if self.repeats < 1:
+            raise UserError(f"--repeats must be at least 1, got {self.repeats}")
+        check_max_new_tokens(self.max_new_tokens)
+        check_tree_args(self.tree, self.tree_overrides, self.candidates)
+        self.sampling  # validates temperature / top-p
+
+
+def _methods(config: BenchConfig, target) -> list[Method]:
+    from decode.drafts import make_draft
+
+    methods = [Method.vanilla()]
+    for spec in config.drafts:
+        draft = make_draft(spec, target, seed=config.seed or 0)
+        name = draft.name if draft.name not in {m.name for m in methods} else spec
+        methods.append(Method(name, draft, make_policy(draft, config.tree, config.tree_overrides, config.candidates)))
+    return methods
+
+
+def _usable_prompts(items: list[PromptItem], is_vlm: bool, target_name: str) -> tuple[list[PromptItem], int]:
+    if is_vlm:
+        return items, 0
+    kept = [p for p in items if p.image is None]
+    skipped = len(items) - len(kept)
+    if skipped:
+        logger.warning("target %s is text-only: skipping %d image prompt(s)", target_name, skipped)
+    return kept, skipped
+
+
+def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None) -> dict:
+    """Benchmark every method of `config` on `prompts` (default: config.prompts, held-out split) -> results dict."""
+    from tqdm import tqdm
+
+    from decode.loader import load_target
+
+    config.check()
+    sampling = config.sampling
+    target = load_target(config.target, device=config.device, dtype=config.dtype,
+                         cache_dir=Path(config.cache_dir) if config.cache_dir else None)
+    items = prompts if prompts is not None else parse_prompt_spec(
+        config.prompts, split=config.split, cache_dir=Path(config.cache_dir) if config.cache_dir else None)
+    items, skipped = _usable_prompts(list(items), target.is_vlm, target.name)
+    if not items:
+        raise UserError(f"no prompts to run (spec '{config.prompts}', {skipped} image prompts skipped on a "
+                        f"text-only target); ask for sharegpt:N")
+    methods = _methods(config, target)
+    built = [(item, target.build_prompt(item.text, item.image)) for item in items]
+    env = environment(target.device)
+    logger.info("bench: %s on %s, %d prompts x %d methods x %d repeats", target.name, env["device"], len(built),
+                len(methods), config.repeats)
+    if config.warmup:
+        warm_up(target, built[0][1], methods, config.max_new_tokens, sampling)
+    rows: list[dict] = []
+    with tqdm(total=len(built) * len(methods) * config.repeats, desc="bench", unit="run", disable=None) as bar:
+        for item, prompt in built:
+            bar.set_postfix_str(item.id[:24])
+            runs = measure(target, prompt, methods, config.max_new_tokens, sampling, config.repeats, bar)
+            van = runs[VANILLA]
+            for m in methods:
+                meas = runs[m.name]
+                row = {"prompt_id": item.id, "prompt_tokens": prompt.length, "has_image": prompt.has_image,
+                       **meas.to_row()}
+                row["speedup"] = meas.tokens_per_s / van.tokens_per_s if van.tokens_per_s > 0 else None
+                row["identical"] = None if m.name == VANILLA else identical(meas.first, van.first, sampling)
+                rows.append(row)
+    return {
+        "config": asdict(config),
+        **env,
+        "target": {"name": target.name, "dtype": str(target.dtype).replace("torch.", ""),
+                   "fingerprint": target.fingerprint().to_dict()},
+        "prompts": {"spec": config.prompts if prompts is None else "(given)", "split": config.split,
+                    "count": len(built), "skipped_image_prompts": skipped, "ids": [i.id for i, _ in built]},
+        "methods": [m.describe() for m in methods],
+        "summary": summarize(rows, [m.name for m in methods], sampling.greedy),
+        "per_prompt": rows,
+    }
+
+
+def summarize(rows: list[dict], methods: list[str], greedy: bool) -> list[dict]:
+    """One row per method (definitions in the module docstring)."""
+    def total_rate(method: str) -> float:
+        rs = [r for r in rows if r["method"] == method]
+        wall = sum(r["wall_ms"] for r in rs) / 1e3
+        return sum(r["new_tokens"] for r in rs) / wall if wall > 0 else 0.0
+
+    base = total_rate(VANILLA)
+    out = []
+    for method in methods:
+        rs = [r for r in rows if r["method"] == method]
+        speedups = [r["speedup"] for r in rs if r["speedup"] is not None]
+        rate = total_rate(method)
+        row = {
+            "method": method,
+            "prompts": len(rs),
+            "tau": statistics.fmean(r["tau"] for r in rs),
+            "tokens_per_s": rate,
+            "speedup": rate / base if base > 0 else None,
+            "median_speedup": statistics.median(speedups) if speedups else None,
+            "identical_rate": (statistics.fmean(bool(r["identical"]) for r in rs)
+                               if greedy and method != VANILLA else None),
+            "new_tokens": sum(r["new_tokens"] for r in rs),
+            "wall_s": sum(r["wall_ms"] for r in rs) / 1e3,
+        }
+        if method != VANILLA:
+            row.update(draft_ms=statistics.fmean(r["draft_ms"] for r in rs),
+                       verify_ms=statistics.fmean(r["verify_ms"] for r in rs),
+                       accept_hist=merge_hists([r["accept_hist"] for r in rs]))
+        out.append(row)
+    return out
+
+
+def format_table(summary: list[dict]) -> str:
+    """The summary as a fixed-width pandas table (draft/verify: mean ms per generation)."""
+    import pandas as pd
+
+    cols = {"method": "method", "tau": "tau", "tokens_per_s": "tokens/s", "speedup": "speedup",
+            "median_speedup": "median speedup", "identical_rate": "identical", "draft_ms": "draft ms",
+            "verify_ms": "verify ms", "new_tokens": "tokens"}
+    df = pd.DataFrame(summary).reindex(columns=list(cols)).rename(columns=cols)
+    fmt = {"tau": "{:.2f}", "tokens/s": "{:.1f}", "speedup": "{:.2f}x", "median speedup": "{:.2f}x",
+           "identical": "{:.0%}", "draft ms": "{:.0f}", "verify ms": "{:.0f}", "tokens": "{:.0f}"}
+    for col, f in fmt.items():
+        df[col] = [("-" if v is None or v != v else f.format(v)) for v in df[col]]
+    return df.to_string(index=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from decode.cli import add_target_args
+    from decode.run import add_sampling_args, add_tree_args
+
+    p = argparse.ArgumentParser(prog="python -m decode.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(p)
+    p.add_argument("--drafts", required=True, help="comma-separated draft specs: DIR | prompt-lookup | layerskip:K | "
+                                                   "random:FUSION")
+    p.add_argument("--prompts", default=BenchConfig.prompts, help=f"prompt spec (default: {BenchConfig.prompts})")
+    p.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens,
+                   help=f"default: {BenchConfig.max_new_tokens}")
+    p.add_argument("--repeats", type=int, default=BenchConfig.repeats,
+                   help=f"timed runs per prompt and method (default: {BenchConfig.repeats})")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generations")
+    add_sampling_args(p)
+    p.set_defaults(seed=BenchConfig.seed)
+    add_tree_args(p)
+    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/bench-<target>-<device>-<date>.json)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from decode.cli import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    logger.setLevel(logging.INFO)  # the skipped-prompt warning and the bench line
+    config = BenchConfig(
+        target=args.target, drafts=tuple(d.strip() for d in args.drafts.split(",")), prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=not args.no_warmup, tree=args.tree,
+        tree_depth=args.tree_depth, top_k=args.top_k, total_tokens=args.total_tokens, candidates=args.candidates,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, dtype=args.dtype,
+        cache_dir=str(args.cache_dir) if args.cache_dir else None, out=args.out,
+    )
+    result = run_bench(config)
+    path = write_json(Path(config.out) if config.out else default_out_path(config.target, result), result)
+    print(f"{result['target']['name']} on {result['device']} ({result['prompts']['count']} prompts, "
+          f"{config.max_new_tokens} max new tokens, median of {config.repeats}, "
+          f"{'greedy' if config.sampling.greedy else f'T={config.temperature}'})")
+    print(format_table(result["summary"]))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from decode.cli import run_cli
+
+    run_cli(main)

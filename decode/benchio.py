@@ -1,0 +1,241 @@
+"""Side-by-side measurement shared by `decode.run --compare` and `decode.bench`, and the record keeping.
+
+A *method* is vanilla decoding or one draft with its tree policy. `measure` runs every method on one
+prompt `repeats` times, interleaved (the order rotates each repeat so no method always runs right
+after another), and keeps each run; `Measurement` reduces the runs to medians. Machines here are
+shared and noisy, so only ratios measured this way, in one process, mean much (DESIGN.md section 7).
+
+Timing is what the generate functions report: prefill + decode wall time, synchronised on CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from decode.arch import TreeSpec
+from decode.drafts.base import Draft
+from decode.prompt import Prompt
+from decode.sampling import SamplingConfig
+from decode.speculative import SpecResult, speculative_generate
+from decode.target import TargetModel
+from decode.tree import TreePolicy
+from decode.vanilla import GenerationResult, vanilla_generate
+
+logger = logging.getLogger(__name__)
+
+VANILLA = "vanilla"
+TREE_FIELDS = ("tree_depth", "top_k", "total_tokens")
+
+
+def make_policy(draft: Draft, tree: str | None, overrides: dict[str, int | None], candidates: str = "topk") -> TreePolicy:
+    """The draft's default TreeSpec with the given fields replaced, shaped by `tree` (dynamic|chain|static:..)."""
+    spec = replace(draft.default_tree, **{k: v for k, v in overrides.items() if v is not None})
+    return TreePolicy.parse(tree, spec, candidates)
+
+
+def check_tree_args(tree: str | None, overrides: dict[str, int | None], candidates: str) -> None:
+    """Validate tree settings before any model is loaded (UserError with the flag's name)."""
+    from decode.errors import UserError
+
+    for name, value in overrides.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+    TreePolicy.parse(tree, replace(TreeSpec(), **{k: v for k, v in overrides.items() if v is not None}), candidates)
+
+
+def policy_dict(policy: TreePolicy) -> dict:
+    d = {"kind": policy.kind, "candidates": policy.candidates, **{k: getattr(policy.spec, k) for k in TREE_FIELDS}}
+    if policy.kind == "static":
+        d["branching"] = list(policy.branching)
+    return d
+
+
+@dataclass(frozen=True)
+class Method:
+    """Vanilla decoding (draft None) or speculative decoding with one draft and tree policy."""
+
+    name: str
+    draft: Draft | None = None
+    policy: TreePolicy | None = None
+
+    @classmethod
+    def vanilla(cls) -> "Method":
+        return cls(VANILLA)
+
+    def generate(self, target: TargetModel, prompt: Prompt, max_new_tokens: int,
+                 sampling: SamplingConfig) -> GenerationResult:
+        if self.draft is None:
+            return vanilla_generate(target, prompt, max_new_tokens, sampling)
+        return speculative_generate(target, self.draft, prompt, max_new_tokens, sampling, self.policy)
+
+    def describe(self) -> dict:
+        if self.draft is None:
+            return {"method": self.name, "draft": None, "tree": None}
+        return {"method": self.name, "draft": self.draft.name, "tree": policy_dict(self.policy)}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+@dataclass
+class Measurement:
+    """One method on one prompt: every run, reduced to medians (tokens and acceptance from the first run)."""
+
+    method: str
+    runs: list[GenerationResult] = field(default_factory=list)
+
+    @property
+    def first(self) -> GenerationResult:
+        return self.runs[0]
+
+    @property
+    def wall_s(self) -> float:
+        return _median([r.prefill_s + r.decode_s for r in self.runs])
+
+    @property
+    def tokens_per_s(self) -> float:
+        return _median([r.tokens_per_s for r in self.runs])
+
+    @property
+    def new_tokens(self) -> int:
+        return self.first.new_tokens
+
+    @property
+    def speculative(self) -> bool:
+        return isinstance(self.first, SpecResult)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward after the prefill: exactly 1 for vanilla decoding."""
+        return self.first.tau if self.speculative else 1.0
+
+    def to_row(self) -> dict:
+        """A flat, JSON-ready record (times in ms, medians over the runs)."""
+        r = self.first
+        row = {
+            "method": self.method, "repeats": len(self.runs), "new_tokens": self.new_tokens,
+            "wall_ms": self.wall_s * 1e3, "tokens_per_s": self.tokens_per_s, "tau": self.tau,
+            "prefill_ms": _median([x.prefill_s for x in self.runs]) * 1e3,
+            "target_forwards": r.target_forwards,
+        }
+        if self.speculative:
+            sizes = r.tree_sizes
+            row.update(
+                cycles=r.cycles,
+                draft_ms=_median([x.draft_s for x in self.runs]) * 1e3,
+                verify_ms=_median([x.verify_s for x in self.runs]) * 1e3,
+                accept_hist={str(k): v for k, v in sorted(r.accept_hist.items())},
+                mean_tree_size=sum(sizes) / len(sizes) if sizes else 0.0,
+            )
+        return row
+
+
+def identical(a: GenerationResult, b: GenerationResult, sampling: SamplingConfig) -> bool | None:
+    """Token-wise equality, meaningful only for greedy decoding.
+
+    Speculative sampling matches the target's distribution, not vanilla's draws for the same seed
+    (the two consume random numbers differently), so for sampling this is None.
+    """
+    return a.tokens == b.tokens if sampling.greedy else None
+
+
+def warm_up(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,
+            sampling: SamplingConfig) -> None:
+    """One untimed generation per method (allocator, kernels, caches)."""
+    for m in methods:
+        logger.info("warm-up: %s", m.name)
+        m.generate(target, prompt, max_new_tokens, sampling)
+
+
+def measure(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,
+            sampling: SamplingConfig, repeats: int, progress=None) -> dict[str, Measurement]:
+    """Run the methods interleaved `repeats` times; `progress` (a tqdm bar) advances once per run."""
+    out = {m.name: Measurement(m.name) for m in methods}
+    for rep in range(repeats):
+        shift = rep % len(methods)
+        for m in methods[shift:] + methods[:shift]:
+            out[m.name].runs.append(m.generate(target, prompt, max_new_tokens, sampling))
+            if progress is not None:
+                progress.update(1)
+    for name, meas in out.items():
+        if sampling.greedy and any(r.tokens != meas.first.tokens for r in meas.runs[1:]):
+            logger.warning("%s: greedy repeats gave different tokens (non-deterministic kernels?)", name)
+    return out
+
+
+def merge_hists(hists: list[dict[str, int]]) -> dict[str, int]:
+    total: Counter[int] = Counter()
+    for h in hists:
+        total.update({int(k): v for k, v in h.items()})
+    return {str(k): v for k, v in sorted(total.items())}
+
+
+# ---------------------------------------------------------------- environment and files
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model (from /proc/cpuinfo, else platform)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command_line(),
+    }
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """sys.argv joined, with `python -m decode.X` for a module run."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "decode":
+        argv[0] = f"python -m decode.{Path(argv[0]).stem}"
+    return " ".join(argv[:1] + [shlex.quote(a) for a in argv[1:]])
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "x"
+
+
+def default_out_path(target: str, env: dict, root: Path = Path("benchmarks/results")) -> Path:
+    """benchmarks/results/bench-<target>-<device>-<date>.json (device: GPU name or cpu)."""
+    dev = "cpu" if env["device_type"] == "cpu" else slug(env["device"]).removeprefix("nvidia-")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return root / f"bench-{slug(Path(target).name)}-{dev}-{stamp}.json"
+
+
+def write_json(path: Path, obj: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    return path

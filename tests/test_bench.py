@@ -1,0 +1,71 @@
+"""`decode.bench`: side-by-side records, the summary table and the results JSON (tiny targets, few tokens)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import decode.bench as bench
+from decode.bench import BenchConfig, format_table, run_bench
+from decode.datasets import PromptItem
+from decode.errors import UserError
+
+PROMPTS = [
+    PromptItem("sharegpt:a", "Repeat after me: one two three, one two three, one two", None, None),
+    PromptItem("sharegpt:b", "Write a short poem about the sea.", None, None),
+    PromptItem("image:coffee:0", "Describe this image in detail.", "skimage:coffee", None),
+]
+REQUIRED = {"config", "command", "device", "versions", "date", "summary", "per_prompt", "prompts", "target", "methods"}
+
+
+def test_bench_main_writes_json_and_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "parse_prompt_spec", lambda spec, **kw: list(PROMPTS))
+    out = tmp_path / "new" / "bench.json"
+    assert bench.main(["--target", "tiny-llama", "--drafts", "prompt-lookup,layerskip:1", "--prompts", "sharegpt:2",
+                       "--max-new-tokens", "8", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert REQUIRED <= set(res)
+    assert res["config"]["drafts"] == ["prompt-lookup", "layerskip:1"] and res["config"]["max_new_tokens"] == 8
+    assert set(res["versions"]) == {"python", "torch", "transformers"}
+    assert res["prompts"]["count"] == 2 and res["prompts"]["skipped_image_prompts"] == 1  # text-only target
+    summary = {row["method"]: row for row in res["summary"]}
+    assert list(summary) == ["vanilla", "prompt-lookup", "layerskip:1"]
+    assert summary["vanilla"]["speedup"] == pytest.approx(1.0) and summary["vanilla"]["identical_rate"] is None
+    for name in ("prompt-lookup", "layerskip:1"):
+        assert summary[name]["identical_rate"] == 1.0
+        assert summary[name]["tau"] >= 1.0 and summary[name]["speedup"] > 0
+        assert sum(summary[name]["accept_hist"].values()) > 0
+    assert len(res["per_prompt"]) == 2 * 3
+    assert all(r["identical"] is True for r in res["per_prompt"] if r["method"] != "vanilla")
+    table = capsys.readouterr().out
+    assert "prompt-lookup" in table and "layerskip:1" in table and "speedup" in table and "100%" in table
+
+
+def test_run_bench_on_a_vlm_with_images_and_sampling():
+    cfg = BenchConfig(target="tiny-llava", drafts=("layerskip:1",), max_new_tokens=6, repeats=2, warmup=False,
+                      tree="chain", candidates="sample", temperature=0.8, seed=3, device="cpu")
+    res = run_bench(cfg, prompts=PROMPTS[1:])
+    assert res["prompts"]["skipped_image_prompts"] == 0
+    assert [r["has_image"] for r in res["per_prompt"]] == [False, False, True, True]
+    assert all(r["repeats"] == 2 for r in res["per_prompt"])
+    assert all(row["identical_rate"] is None for row in res["summary"])  # sampling: no token-wise claim
+    assert res["methods"][1]["tree"]["kind"] == "chain"
+    assert "layerskip:1" in format_table(res["summary"])
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (BenchConfig(target="tiny-llama", repeats=0), "--repeats"),
+    (BenchConfig(target="tiny-llama", drafts=("prompt-lookup", "prompt-lookup")), "twice"),
+    (BenchConfig(target="tiny-llama", top_k=0), "--top-k"),
+    (BenchConfig(target="tiny-llama", temperature=-1.0), "temperature"),
+    (BenchConfig(target="tiny-llama", drafts=("layerskip:0",)), "layerskip:0"),
+])
+def test_bad_config_is_a_user_error(cfg, match):
+    with pytest.raises(UserError, match=match):
+        run_bench(cfg, prompts=PROMPTS[:1])
+
+
+def test_only_image_prompts_on_a_text_target_is_an_error():
+    with pytest.raises(UserError, match="no prompts"):
+        run_bench(BenchConfig(target="tiny-llama", device="cpu"), prompts=PROMPTS[2:])
