@@ -50,45 +50,46 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, inner, bias=False)
         self.o_proj = nn.Linear(inner, hidden, bias=False)
 
+    def w(self, name: str) -> torch.Tensor:
+        """The weight a projection uses; elastic subclasses return a leading slice (supernet)."""
+        return getattr(self, name).weight
+
+    def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w(name))
+
     def split(self, x: torch.Tensor) -> torch.Tensor:  # (n, h*d) -> (h, n, d)
         return x.view(x.shape[0], -1, self.head_dim).transpose(0, 1)
 
     def forward(self, x, positions, allowed, cache_kv, theta):
         """x (n, H); cache_kv: (k, v) each (h, P, d) or None; allowed (n, P+n). Returns out, (k, v) of x."""
-        q = rotate(self.split(self.q_proj(x)), positions, theta)
-        k = rotate(self.split(self.k_proj(x)), positions, theta)
-        v = self.split(self.v_proj(x))
+        q = rotate(self.split(self.proj("q_proj", x)), positions, theta)
+        k = rotate(self.split(self.proj("k_proj", x)), positions, theta)
+        v = self.split(self.proj("v_proj", x))
         keys = k if cache_kv is None else torch.cat([cache_kv[0], k], dim=1)
         vals = v if cache_kv is None else torch.cat([cache_kv[1], v], dim=1)
-        return self.o_proj(masked_attention(q, keys, vals, allowed)), (k, v)
+        return self.proj("o_proj", masked_attention(q, keys, vals, allowed)), (k, v)
 
 
-class CrossAttention(nn.Module):
-    """DREAM-style: draft tokens attend to target features; the output is scaled by tanh(gate)."""
+class CrossAttention(SelfAttention):
+    """DREAM-style: draft tokens attend to target features; the output is scaled by tanh(gate).
+    Same projections as self-attention (queries from the draft, keys/values from the memory), no rotary."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        inner = heads * head_dim
-        self.q_proj = nn.Linear(hidden, inner, bias=False)
-        self.k_proj = nn.Linear(hidden, inner, bias=False)
-        self.v_proj = nn.Linear(hidden, inner, bias=False)
-        self.o_proj = nn.Linear(inner, hidden, bias=False)
+        super().__init__(hidden, heads, head_dim)
         self.gate = nn.Parameter(torch.tensor(0.5))
 
     def memory_kv(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """mem (m, H) projected target features -> keys/values (h, m, d), computed once per entry."""
-        split = lambda t: t.view(t.shape[0], -1, self.head_dim).transpose(0, 1)  # noqa: E731
-        return split(self.k_proj(mem)), split(self.v_proj(mem))
+        return self.split(self.proj("k_proj", mem)), self.split(self.proj("v_proj", mem))
 
     def forward(self, x, mem_kv, allowed):
         """x (n, H); mem_kv (h, m, d) pair; allowed (n, m) bool. Rows with no visible memory give 0."""
         if mem_kv[0].shape[1] == 0:
             return torch.zeros_like(x)
-        q = self.q_proj(x).view(x.shape[0], -1, self.head_dim).transpose(0, 1)
+        q = self.split(self.proj("q_proj", x))
         any_seen = allowed.any(-1, keepdim=True)  # (n, 1)
         out = masked_attention(q, mem_kv[0], mem_kv[1], allowed | ~any_seen)  # avoid all-masked rows (NaN)
-        return torch.tanh(self.gate) * self.o_proj(out) * any_seen.to(x.dtype)
+        return torch.tanh(self.gate) * self.proj("o_proj", out) * any_seen.to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -98,26 +99,38 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
 
+    def w(self, name: str) -> torch.Tensor:
+        """The weight a projection uses; elastic subclasses return a leading slice (supernet)."""
+        return getattr(self, name).weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.silu(F.linear(x, self.w("gate_proj"))) * F.linear(x, self.w("up_proj"))
+        return F.linear(h, self.w("down_proj"))
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer: self-attention, optional gated cross-attention, SwiGLU FFN."""
+    """Pre-norm decoder layer: self-attention, optional gated cross-attention, SwiGLU FFN.
+
+    The sub-module classes are class attributes so the supernet can swap in elastic ones."""
+
+    attn_cls: type[SelfAttention] = SelfAttention
+    cross_cls: type[CrossAttention] = CrossAttention
+    mlp_cls: type[SwiGLU] = SwiGLU
 
     def __init__(self, hidden: int, heads: int, head_dim: int, ffn: int, cross: bool, eps: float):
         super().__init__()
         self.attn_norm = RMSNorm(hidden, eps)
-        self.attn = SelfAttention(hidden, heads, head_dim)
+        self.attn = self.attn_cls(hidden, heads, head_dim)
         self.cross_norm = RMSNorm(hidden, eps) if cross else None
-        self.cross = CrossAttention(hidden, heads, head_dim) if cross else None
+        self.cross = self.cross_cls(hidden, heads, head_dim) if cross else None
         self.ffn_norm = RMSNorm(hidden, eps)
-        self.mlp = SwiGLU(hidden, ffn)
+        self.mlp = self.mlp_cls(hidden, ffn)
 
     def forward(self, x, positions, allowed, cache_kv, theta, mem_kv=None, mem_allowed=None):
+        """mem_kv None skips cross-attention (a layer built with it may run without it)."""
         a, new_kv = self.attn(self.attn_norm(x), positions, allowed, cache_kv, theta)
         x = x + a
-        if self.cross is not None:
+        if self.cross is not None and mem_kv is not None:
             x = x + self.cross(self.cross_norm(x), mem_kv, mem_allowed)
         return x + self.mlp(self.ffn_norm(x)), new_kv
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import nn
 
 from decode.arch import DraftArch
@@ -57,6 +58,8 @@ class TargetDims:
 
 
 class DraftModel(nn.Module):
+    layer_cls: type[DraftLayer] = DraftLayer  # the supernet swaps in its elastic layer
+
     def __init__(self, arch: DraftArch, dims: TargetDims, d2t: torch.Tensor | None = None):
         super().__init__()
         self.arch, self.dims = arch, dims
@@ -70,7 +73,7 @@ class DraftModel(nn.Module):
         self.feat_fc = nn.Linear(len(arch.feature_layers) * h, h, bias=True)
         self.in_fc = nn.Linear(2 * h, h, bias=False) if arch.uses_concat else None
         self.layers = nn.ModuleList(
-            DraftLayer(h, arch.heads[i], dims.head_dim, arch.ffn[i], arch.uses_cross, dims.rms_eps)
+            self.layer_cls(h, arch.heads[i], dims.head_dim, arch.ffn[i], arch.uses_cross, dims.rms_eps)
             for i in range(arch.depth)
         )
         self.norm = RMSNorm(h, dims.rms_eps)
@@ -117,32 +120,54 @@ class DraftModel(nn.Module):
 
     def add_memory(self, cache: DraftKV, mem: torch.Tensor, positions: torch.Tensor) -> None:
         """Append projected target features (m, H) at target positions (m,) to the cross memory."""
-        if not self.arch.uses_cross or mem.shape[0] == 0:
+        if not self.uses_cross or mem.shape[0] == 0:
             return
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.active_layers()):
             cache.append_memory(i, layer.cross.memory_kv(mem))
         cache.mem_pos = positions if cache.mem_pos is None else torch.cat([cache.mem_pos, positions])
 
+    # the parts of the network a forward uses; the supernet overrides them for its active subnet
+    @property
+    def uses_concat(self) -> bool:
+        return self.arch.uses_concat
+
+    @property
+    def uses_cross(self) -> bool:
+        return self.arch.uses_cross
+
+    def active_layers(self) -> list[DraftLayer]:
+        return list(self.layers)
+
     def forward(
-        self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: DraftKV
+        self,
+        tokens: torch.Tensor,
+        g: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        cache: DraftKV,
+        mem_lag: int = 0,
     ) -> torch.Tensor:
         """Run n new positions; append their K/V to `cache`.
 
         tokens (n,), g (n, H) fused feature inputs (ignored by pure cross fusion), positions (n,),
-        allowed (n, L + n) bool over the cache entries then the new ones. Returns hidden (n, H).
+        allowed (n, L + n) bool over the cache entries then the new ones. A query at position p
+        cross-attends to memory entries at positions < p - mem_lag (training unrolls set mem_lag
+        to mimic deeper tree levels, whose memory stops at the root). Returns hidden (n, H).
         """
         x = self.embed(tokens)
-        if self.in_fc is not None:
-            x = self.in_fc(torch.cat([x, g.to(x.dtype)], dim=-1))
+        if self.uses_concat:
+            x = F.linear(torch.cat([x, g.to(x.dtype)], dim=-1), self.in_fc.weight)
         mem_allowed = None
-        if self.arch.uses_cross:
+        if self.uses_cross:
             mem_pos = cache.mem_pos if cache.mem_pos is not None else positions.new_zeros(0)
-            mem_allowed = mem_pos[None, :] < positions[:, None]  # (n, m) causal: only earlier positions' features
-        for i, layer in enumerate(self.layers):
-            mem_kv = cache.mem_kv[i]
-            if self.arch.uses_cross and mem_kv is None:
-                empty = x.new_zeros(layer.cross.heads, 0, layer.cross.head_dim)
-                mem_kv = (empty, empty)
+            mem_allowed = mem_pos[None, :] < (positions[:, None] - mem_lag)  # (n, m) only earlier features
+        for i, layer in enumerate(self.active_layers()):
+            mem_kv = None
+            if self.uses_cross:
+                mem_kv = cache.mem_kv[i]
+                if mem_kv is None:
+                    empty = x.new_zeros(layer.cross.heads, 0, layer.cross.head_dim)
+                    mem_kv = (empty, empty)
             x, kv = layer(x, positions, allowed, cache.kv[i], self.dims.rope_theta, mem_kv, mem_allowed)
             cache.append(i, kv)
         return x

@@ -1,0 +1,117 @@
+"""One subnet on one training sequence: the multi-step unroll ("training-time test") and its losses.
+
+Step 0 is how the draft runs on committed tokens: position j gets (x_j, feat(f_{j-1})), with
+causal self-attention and cross-attention to target features of positions < j. Its output h_j
+should predict the target's next-token distribution at j and regress the target feature f_j.
+
+Step s >= 1 is how the draft runs s levels deep in a tree rooted at position p - s: the token is
+still the true x_p (deeper nodes only matter when the path was accepted) but the feature input is
+the draft's own output h^(s-1)_{p-1}; self-attention sees step-0 entries up to the root (p - s)
+and the step-t entries at p - s + t (its own tree ancestors); cross-attention sees target
+features of positions < p - s. Later steps are weighted less (decay^s).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from decode.arch import DraftArch
+from decode.capture import normalize_layer
+from supernet.elastic import DraftSupernet
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    unroll: int = 3  # steps 0..unroll-1
+    decay: float = 0.7  # weight of step s = decay**s
+    kl_weight: float = 1.0
+    feat_weight: float = 0.2
+    aux_weight: float = 0.1  # entropy-layer feature regression, where the arch uses that layer
+
+
+def unroll_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
+    """(T, (step+1)*T) bool: which cached entries a step-`step` query at sequence index p sees."""
+    p = torch.arange(t, device=device)
+    blocks = [p[None, :] <= (p[:, None] - step)]  # step-0 entries up to the root p - step
+    for s in range(1, step + 1):
+        blocks.append(p[None, :] == (p[:, None] - step + s))  # the ancestor at depth s
+    return torch.cat(blocks, dim=1)
+
+
+def target_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor):
+    """Cross-entropy of the draft against the target's top-k distribution, and the KL for logging.
+
+    logits (n, V) draft (−inf outside its vocab); topk_* (n, K) and lse (n,) from the target: the
+    target probabilities of the top-k are exp(l - lse). Tokens the draft cannot produce are
+    dropped and p renormalised over the rest (a reduced-vocab draft is judged on what it can say).
+    """
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids)  # (n, K)
+    p = torch.exp(topk_logits.float() - lse.float()[:, None])
+    p = torch.where(torch.isfinite(logq), p, torch.zeros_like(p))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    logq = torch.where(torch.isfinite(logq), logq, torch.zeros_like(logq))
+    ce = -(p * logq).sum(-1)
+    kl = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)
+    return ce, kl
+
+
+def visible_positions(arch: DraftArch, image_mask: torch.Tensor, attn_received: torch.Tensor) -> torch.Tensor:
+    """Sequence indices the draft sees: all text tokens + the most attended visual_keep of images."""
+    keep = torch.ones_like(image_mask, dtype=torch.bool)
+    img = image_mask.nonzero().flatten()
+    if img.numel() and arch.visual_keep < 1:
+        n = max(1, math.ceil(arch.visual_keep * img.numel()))
+        keep[img] = False
+        keep[img[attn_received[img].topk(n).indices]] = True
+    return keep.nonzero().flatten()
+
+
+def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted loss of the active subnet on one sequence (scalar) and logging figures."""
+    arch = model.active
+    num_layers = model.dims.num_layers
+    dev = model.feat_fc.weight.device
+    hid = {k: v.to(dev) for k, v in seq["hidden"].items()}
+    feats = torch.cat([hid[normalize_layer(x, num_layers)] for x in arch.feature_layers], dim=-1)  # (T, F*H)
+    last = hid[num_layers]  # (T, H) regression target: the target's final hidden state
+    keep = visible_positions(arch, seq["image_mask"], seq["attn_received"]).to(dev)
+    ids = seq["input_ids"].to(dev)[keep]
+    prev = torch.cat([feats.new_zeros(1, feats.shape[1]), feats[:-1]])[keep]  # feature of position j-1
+    pos = keep  # original positions (gaps where image tokens were dropped)
+    t = keep.numel()
+    mask = seq["loss_mask"].to(dev)[keep].bool()
+    topk_ids, topk_logits, lse = (seq[k].to(dev)[keep] for k in ("topk_ids", "topk_logits", "lse"))
+    aux_target = None
+    if model.entropy_layer is not None and any(
+        normalize_layer(x, num_layers) == normalize_layer(model.entropy_layer, num_layers) for x in arch.feature_layers
+    ):
+        aux_target = hid[normalize_layer(model.entropy_layer, num_layers)][keep]
+
+    cache = model.new_cache()
+    model.add_memory(cache, model.project_features(feats[keep]), pos)
+    g = model.project_features(prev)
+    total = torch.zeros((), device=dev)
+    stats: dict[str, float] = {}
+    for step in range(cfg.unroll):
+        h = model(ids, g, pos, unroll_mask(t, step, dev), cache, mem_lag=step)  # (T, H)
+        valid = mask.clone()
+        valid[:step] = False  # the root p - step must exist
+        if not bool(valid.any()):
+            break
+        logits = model.logits(h[valid])  # (n, V)
+        ce, kl = target_kl(logits, topk_ids[valid], topk_logits[valid], lse[valid])
+        feat = F.smooth_l1_loss(h[valid].float(), last[keep][valid].float())
+        loss = cfg.kl_weight * ce.mean() + cfg.feat_weight * feat
+        if aux_target is not None:
+            loss = loss + cfg.aux_weight * F.smooth_l1_loss(model.aux_proj(h[valid]).float(), aux_target[valid].float())
+        total = total + (cfg.decay ** step) * loss
+        stats[f"kl{step}"] = float(kl.mean())
+        stats[f"acc{step}"] = float((logits.argmax(-1) == topk_ids[valid][:, 0]).float().mean())  # top-1 agreement
+        # next step: each position is fed the draft's own output at the previous position
+        g = torch.cat([h.new_zeros(1, h.shape[1]), h[:-1]])
+    stats["loss"] = float(total)
+    return total, stats
