@@ -109,9 +109,9 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig) -> tuple[tor
         if aux_target is not None:
             loss = loss + cfg.aux_weight * F.smooth_l1_loss(model.aux_proj(h[valid]).float(), aux_target[valid].float())
         total = total + (cfg.decay ** step) * loss
-        stats[f"kl{step}"] = float(kl.mean())
+        stats[f"kl{step}"] = float(kl.detach().mean())
         stats[f"acc{step}"] = float((logits.argmax(-1) == topk_ids[valid][:, 0]).float().mean())  # top-1 agreement
         # next step: each position is fed the draft's own output at the previous position
         g = torch.cat([h.new_zeros(1, h.shape[1]), h[:-1]])
-    stats["loss"] = float(total)
+    stats["loss"] = float(total.detach())
     return total, stats

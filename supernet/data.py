@@ -1,0 +1,410 @@
+"""`python -m supernet.data`: the frozen target's features on training prompts, written as shards.
+
+    python -m supernet.data --target smolvlm-135m --prompts sharegpt:64,images:8 --max-len 256 --out out/data
+    python -m supernet.data --target tiny-llava --space tiny --prompts sharegpt:8,images:2 --mode regenerate
+
+Per prompt (TRAIN split of decode.datasets) one sequence is built and run through the target once:
+
+    teacher     chat-templated prompt + the dataset's answer (ShareGPT gpt turn, then the end token);
+                image prompts have no answer: the target writes one greedily (--image-answer-tokens)
+    regenerate  chat-templated prompt + the target's own greedy answer (up to max-len, capped by
+                --max-new-tokens): the draft then learns exactly what the target generates
+
+truncated to --max-len tokens (a prompt whose image would be cut is skipped). The forward stores,
+per token, the target's top-k next-token logits + full logsumexp, the hidden states the search
+space needs (the entropy layer is resolved first, on --calib-prompts prompts spread over the list),
+attention entropy and received attention, image and loss masks (format: supernet/dataset.py).
+Shard i always holds prompts [i*S, (i+1)*S); complete shards are skipped on rerun (resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from decode.datasets import HELDOUT_PHOTOS, PromptItem, parse_prompt_spec
+from decode.errors import UserError
+from decode.prompt import Prompt
+from decode.target import TargetModel
+from decode.vanilla import vanilla_generate
+from supernet.dataset import FORMAT, MANIFEST, bytes_per_token, check_target, read_manifest, read_shard_meta, \
+    shard_name, summarize_shards, write_json_atomic, write_shard
+from supernet.entropy import EntropyChoice, calibrate
+from supernet.space import SearchSpace
+
+logger = logging.getLogger("supernet.data")  # not __main__ under python -m
+
+MODES = ("teacher", "regenerate")
+_PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")  # (1, T) model inputs
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    target: str = "smolvlm-135m"
+    prompts: str = "sharegpt:64,images:8"
+    mode: str = "teacher"
+    max_len: int = 256  # tokens per sequence (prompt + answer)
+    topk: int = 32  # target next-token logits kept per position
+    space: str = "default"  # search space (YAML file or name under configs/space): which layers to store
+    shard_size: int = 16  # prompts per shard
+    out: str = "out/data"
+    image_answer_tokens: int = 64  # teacher mode: greedy answer length for prompts without one (images)
+    max_new_tokens: int = 192  # regenerate mode: cap on the target's own answer
+    max_prompt_chars: int | None = 2000  # ShareGPT prompts longer than this are not used
+    calib_prompts: int = 8  # first prompts whose attention entropy picks the entropy layer
+    entropy_layer: int | None = None  # force the entropy layer (hidden-state index) instead of calibrating
+    top_tokens: int = 1024  # most frequent next tokens listed in the manifest
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: str | None = None
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"unknown mode '{self.mode}'; use one of: {', '.join(MODES)}")
+        if self.max_len < 2:
+            raise UserError(f"--max-len must be at least 2 (one trained position), got {self.max_len}")
+        for name in ("topk", "shard_size", "image_answer_tokens", "max_new_tokens", "calib_prompts", "top_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+
+# ---------------------------------------------------------------- sequences
+
+def _extend(prompt: Prompt, tokens: list[int], family: str) -> Prompt:
+    """The prompt followed by answer tokens, every per-token model input extended to match."""
+    n = len(tokens)
+    inputs = dict(prompt.model_inputs)
+    for key in _PER_TOKEN:
+        if key in inputs:
+            # attention_mask: 1; PaliGemma token_type_ids: 1 marks the causal suffix (HF generate does the same);
+            # Gemma 3 token_type_ids / Qwen mm_token_type_ids: 0 = text
+            fill = 1 if key == "attention_mask" or (key == "token_type_ids" and family == "paligemma") else 0
+            extra = torch.tensor([tokens], dtype=inputs[key].dtype) if key == "input_ids" else \
+                torch.full((1, n), fill, dtype=inputs[key].dtype)
+            inputs[key] = torch.cat([inputs[key], extra], dim=1)
+    return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
+
+
+def _truncate(prompt: Prompt, n: int, image_token_id: int | None) -> Prompt | None:
+    """The first n tokens, or None when that would cut image tokens (the vision features need them all)."""
+    if prompt.length <= n:
+        return prompt
+    ids = prompt.input_ids[0]
+    if image_token_id is not None and bool((ids[n:] == image_token_id).any()):
+        return None
+    inputs = {k: (v[:, :n] if k in _PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
+    return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
+
+
+def _answer_tokens(target: TargetModel, prompt: Prompt, item: PromptItem, config: DataConfig) -> list[int]:
+    room = config.max_len - prompt.length
+    if config.mode == "teacher" and item.answer is not None:
+        end = target.tokenizer.eos_token_id  # the turn ends with the token the target stops on
+        ids = target.tokenizer(item.answer, add_special_tokens=False)["input_ids"][: max(room, 0)]
+        return ids + ([int(end)] if end is not None else [])
+    budget = config.max_new_tokens if config.mode == "regenerate" else config.image_answer_tokens
+    n = min(budget, room)
+    return vanilla_generate(target, prompt, n).tokens if n >= 1 else []
+
+
+def build_sequence(target: TargetModel, item: PromptItem, config: DataConfig) -> tuple[Prompt, int] | None:
+    """(prompt + answer truncated to max_len, prompt length) or None when the image does not fit."""
+    prompt = target.build_prompt(item.text, item.image)
+    full = _extend(prompt, _answer_tokens(target, prompt, item, config), target.spec.family)
+    full = _truncate(full, config.max_len, target.image_token_id)
+    return None if full is None else (full, min(prompt.length, full.length))
+
+
+# ---------------------------------------------------------------- features
+
+def stored_layers(space: SearchSpace, num_layers: int, entropy_layer: int) -> tuple[int, ...]:
+    """Non-negative hidden-state indices to store: the space's layer sets (entropy resolved), the entropy
+    layer and the last hidden state (L), sorted."""
+    space.check_target(num_layers)
+    wanted = {entropy_layer, num_layers}
+    for layer_set in space.feature_layers:
+        for layer in space.resolve_layers(layer_set, entropy_layer):
+            wanted.add(layer if layer >= 0 else num_layers + 1 + layer)
+    return tuple(sorted(wanted))
+
+
+@torch.no_grad()
+def sequence_features(target: TargetModel, full: Prompt, prompt_len: int, layers: tuple[int, ...], topk: int) -> dict:
+    """One target forward over a built sequence -> the per-sequence dict (FeatureData's item format)."""
+    pre = target.prefill(full, feature_layers=layers, attention_stats=True, all_logits=True)
+    logits = pre.logits  # (T, V) fp32
+    lse = torch.logsumexp(logits, dim=-1)  # (T,)
+    top = logits.topk(topk, dim=-1)  # (T, K), sorted by logit
+    ids = full.input_ids[0].to(torch.long).cpu()  # (T,)
+    t = ids.numel()
+    image = torch.zeros(t, dtype=torch.bool)
+    image[pre.image_positions.cpu()] = True
+    # position t is trained when it and its next token are text; the last position has no next token
+    loss = ~image
+    loss[:-1] &= ~image[1:]
+    loss[-1] = False
+    return {
+        "input_ids": ids,
+        "hidden": {h: pre.hidden[h].float().cpu() for h in layers},  # {h: (T, H)}
+        "topk_ids": top.indices.cpu(),  # (T, K) long
+        "topk_logits": top.values.cpu(),  # (T, K) fp32
+        "lse": lse.cpu(),  # (T,)
+        "loss_mask": loss,  # (T,) bool
+        "image_mask": image,  # (T,) bool
+        "attn_entropy": pre.attn_entropy.T.contiguous().cpu(),  # (T, L) fp32
+        "attn_received": pre.attn_received.cpu(),  # (T,) fp32
+        "prompt_len": torch.tensor(prompt_len, dtype=torch.long),
+    }
+
+
+def features_on_the_fly(target: TargetModel, item: PromptItem, config: DataConfig) -> dict | None:
+    """The per-sequence dict straight from the frozen target (None if the prompt is skipped); equals
+    what build_data stores for `item` (hidden states there rounded to bf16). `config.entropy_layer`
+    must be set: FeatureData(dir).config carries the one the data was built with."""
+    if config.entropy_layer is None:
+        raise UserError("features_on_the_fly needs config.entropy_layer (take FeatureData(dir).config, or run "
+                        "supernet.data.calibrate_entropy first)")
+    layers = stored_layers(SearchSpace.load(config.space), target.num_layers, config.entropy_layer)
+    seq = build_sequence(target, item, config)
+    return None if seq is None else sequence_features(target, *seq, layers, config.topk)
+
+
+def calibration_items(items: list[PromptItem], n: int) -> list[PromptItem]:
+    """n prompts spread evenly over the list (centres of n equal parts), so image prompts, listed last, take part."""
+    n = min(n, len(items))
+    return [items[(2 * i + 1) * len(items) // (2 * n)] for i in range(n)]
+
+
+def calibrate_entropy(target: TargetModel, items: list[PromptItem], config: DataConfig,
+                      built: dict[str, tuple[Prompt, int] | None] | None = None) -> EntropyChoice:
+    """The entropy layer from config.calib_prompts of `items`; the sequences built are kept in `built`."""
+    from tqdm import tqdm
+
+    built = {} if built is None else built
+    entropies = []
+    for item in tqdm(calibration_items(items, config.calib_prompts), desc="entropy calibration", unit="prompt",
+                     disable=None):
+        if item.id not in built:
+            built[item.id] = build_sequence(target, item, config)
+        if built[item.id] is not None:
+            entropies.append(target.prefill(built[item.id][0], attention_stats=True).attn_entropy.cpu())  # (L, T)
+    if not entropies:
+        raise UserError("no calibration sequence could be built (every image was cut by --max-len); raise --max-len")
+    return calibrate(entropies)
+
+
+# ---------------------------------------------------------------- the build
+
+def load_prompts(config: DataConfig, is_vlm: bool, target_name: str) -> list[PromptItem]:
+    cache = Path(config.cache_dir) if config.cache_dir else None
+    items = parse_prompt_spec(config.prompts, split="train", max_chars=config.max_prompt_chars, cache_dir=cache)
+    if not is_vlm and any(p.image for p in items):
+        logger.warning("target %s is text-only: skipping %d image prompt(s)", target_name,
+                       sum(bool(p.image) for p in items))
+        items = [p for p in items if p.image is None]
+    if not items:
+        raise UserError(f"no prompts to build data from (spec '{config.prompts}'); ask for sharegpt:N")
+    return items
+
+
+def _resolve_entropy(target: TargetModel, items: list[PromptItem], config: DataConfig, old: dict | None,
+                     built: dict) -> dict:
+    """The manifest's entropy entry: forced by config, kept from an existing manifest, or calibrated."""
+    if config.entropy_layer is not None:
+        h = config.entropy_layer if config.entropy_layer >= 0 else target.num_layers + 1 + config.entropy_layer
+        if not 0 <= h <= target.num_layers:
+            raise UserError(f"--entropy-layer {config.entropy_layer} out of range for a {target.num_layers}-layer "
+                            "target")
+        if old is not None and old.get("entropy", {}).get("layer") == h:
+            return old["entropy"]
+        return {"layer": h, "source": "config"}
+    if old is not None and old.get("entropy"):
+        logger.info("entropy layer %d from the existing manifest", old["entropy"]["layer"])
+        return old["entropy"]  # the layer the existing shards were built with
+    return {**calibrate_entropy(target, items, config, built).to_dict(), "source": "calibration"}
+
+
+def _plan_shards(out: Path, groups: list[list[PromptItem]], content_hash: str, fp_key: str) -> list[dict]:
+    """Manifest entries of the shards; a shard is complete when its file holds these prompts, built alike."""
+    shards = []
+    for j, group in enumerate(groups):
+        ids = [p.id for p in group]
+        meta = read_shard_meta(out / shard_name(j))
+        if meta is not None and meta.get("fingerprint") not in (None, fp_key):
+            raise UserError(f"{out / shard_name(j)} was built for another target; use another --out")
+        ok = meta is not None and meta.get("format") == FORMAT and meta.get("content") == content_hash \
+            and meta.get("fingerprint") == fp_key and json.loads(meta.get("prompt_ids", "[]")) == ids
+        entry = {"file": shard_name(j), "prompt_ids": ids, "complete": ok}
+        if ok:
+            entry.update(sequence_ids=json.loads(meta["sequence_ids"]), skipped=json.loads(meta["skipped"]),
+                         sequences=int(meta["sequences"]), tokens=int(meta["tokens"]))
+        shards.append(entry)
+    return shards
+
+
+def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[PromptItem], config: DataConfig,
+                 layers: tuple[int, ...], meta: dict[str, str], built: dict, bar) -> None:
+    """Features of one shard's prompts, written atomically; `entry` (its manifest row) is completed."""
+    seqs, ids, skipped = [], [], {}
+    for item in group:
+        bar.set_postfix_str(item.id[:24])
+        seq = built.pop(item.id) if item.id in built else build_sequence(target, item, config)
+        if seq is None:
+            skipped[item.id] = f"image cut by max_len {config.max_len}"
+            logger.warning("skipping %s: its image tokens do not fit in --max-len %d", item.id, config.max_len)
+        else:
+            seqs.append(sequence_features(target, *seq, layers, config.topk))
+            ids.append(item.id)
+        bar.update(1)
+    tokens = sum(int(s["input_ids"].numel()) for s in seqs)
+    write_shard(out / entry["file"], seqs, {**meta, "prompt_ids": json.dumps(entry["prompt_ids"]),
+                                            "sequence_ids": json.dumps(ids), "skipped": json.dumps(skipped),
+                                            "sequences": str(len(seqs)), "tokens": str(tokens)})
+    entry.update(complete=True, sequence_ids=ids, skipped=skipped, sequences=len(seqs), tokens=tokens)
+
+
+def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
+    """Build (or finish) the data directory config.out; returns it. `target` skips loading config.target."""
+    from tqdm import tqdm
+
+    from decode.benchio import environment
+    from decode.loader import load_target
+
+    config.check()
+    out = Path(config.out)
+    old = read_manifest(out)
+    if target is None:
+        target = load_target(config.target, device=config.device, dtype=config.dtype,
+                             cache_dir=Path(config.cache_dir) if config.cache_dir else None)
+    fp = target.fingerprint().to_dict()
+    if old is not None:
+        check_target(old, fp, target.name, out)
+    if config.topk > target.vocab_size:
+        raise UserError(f"--topk {config.topk} exceeds the target vocabulary ({target.vocab_size})")
+    space = SearchSpace.load(config.space)
+    space.check_target(target.num_layers)
+    items = load_prompts(config, target.is_vlm, target.name)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    built: dict[str, tuple[Prompt, int] | None] = {}  # sequences built during calibration, reused below
+    entropy = _resolve_entropy(target, items, config, old, built)
+    layers = stored_layers(space, target.num_layers, int(entropy["layer"]))
+    # the settings that shape every shard: a rerun must match them (the prompt list may change: per-shard check)
+    content = {"mode": config.mode, "max_len": config.max_len, "topk": config.topk, "layers": list(layers),
+               "entropy_layer": int(entropy["layer"]), "image_answer_tokens": config.image_answer_tokens,
+               "max_new_tokens": config.max_new_tokens, "dtype": str(target.dtype).removeprefix("torch."),
+               "format": FORMAT}
+    before = (old or {}).get("content", {})
+    if old is not None and before != content:
+        diff = ", ".join(f"{k}={before.get(k)!r} (now {v!r})" for k, v in content.items() if before.get(k) != v)
+        raise UserError(f"{out} was built with other settings: {diff}; rerun with those or use another --out")
+    meta = {"content": hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16],
+            "fingerprint": f"{fp['config_hash']}:{fp['weights_digest']}"}
+    groups = [items[i: i + config.shard_size] for i in range(0, len(items), config.shard_size)]  # fixed assignment
+    shards = _plan_shards(out, groups, meta["content"], meta["fingerprint"])
+    manifest = {"format": FORMAT, "config": asdict(config), "content": content,
+                "target": {"name": target.name, "fingerprint": fp, "dtype": content["dtype"], "is_vlm": target.is_vlm,
+                           "image_token_id": target.image_token_id},
+                "layers": list(layers), "entropy": entropy,
+                "split": {"split": "train", "rule": "decode.datasets.split_of", "heldout_fraction": 0.02,
+                          "heldout_photos": list(HELDOUT_PHOTOS)},
+                "shards": shards, "complete": False, "environment": environment(target.device),
+                "runs": (old or {}).get("runs", [])}
+    write_json_atomic(out / MANIFEST, manifest)
+
+    todo = [j for j, s in enumerate(shards) if not s["complete"]]
+    n_todo = sum(len(groups[j]) for j in todo)
+    lens = [s[0].length for s in built.values() if s is not None]  # calibration sequences, when there were any
+    mean_len = round(sum(lens) / len(lens)) if lens else config.max_len
+    bpt = bytes_per_token(len(layers), target.hidden_size, config.topk, target.num_layers)
+    if todo:
+        logger.info("data: %d prompts in %d shards (%d to build) -> %s; about %.1f MB to write (%d B/token x ~%d "
+                    "tokens; at most %.1f MB)", len(items), len(groups), len(todo), out, bpt * mean_len * n_todo / 1e6,
+                    bpt, mean_len * n_todo, bpt * config.max_len * n_todo / 1e6)
+    else:
+        logger.info("data: all %d shards in %s are complete; nothing to build", len(groups), out)
+    with tqdm(total=len(items), initial=len(items) - n_todo, desc="features", unit="prompt", disable=None) as bar:
+        for j in todo:
+            _build_shard(target, out, shards[j], groups[j], config, layers, meta, built, bar)
+            write_json_atomic(out / MANIFEST, manifest)  # a partial run is readable (complete shards only)
+
+    seconds = time.perf_counter() - start
+    new_tokens = sum(shards[j]["tokens"] for j in todo)
+    run = {"date": manifest["environment"]["date"], "seconds": round(seconds, 2), "shards_built": len(todo),
+           "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
+           "torch_threads": torch.get_num_threads()}
+    manifest.update(summarize_shards(out, shards, target.vocab_size, target.num_layers, config.top_tokens),
+                    complete=True, skipped={k: v for s in shards for k, v in s["skipped"].items()},
+                    bytes=sum((out / s["file"]).stat().st_size for s in shards),
+                    runs=manifest["runs"] + [run])  # one entry per invocation (resumes included)
+    write_json_atomic(out / MANIFEST, manifest)
+    return out
+
+
+# ---------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    from decode.cli import add_target_args
+
+    d = DataConfig()
+    p = argparse.ArgumentParser(prog="python -m supernet.data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(p)
+    p.add_argument("--prompts", default=d.prompts, help=f"train-split prompt spec (default: {d.prompts})")
+    p.add_argument("--mode", choices=MODES, default=d.mode,
+                   help=f"answers: the dataset's or the target's own (default: {d.mode})")
+    p.add_argument("--max-len", type=int, default=d.max_len, help=f"tokens per sequence (default: {d.max_len})")
+    p.add_argument("--topk", type=int, default=d.topk, help=f"target logits kept per token (default: {d.topk})")
+    p.add_argument("--space", default=d.space,
+                   help=f"search space (YAML or name): which layers to store (default: {d.space})")
+    p.add_argument("--shard-size", type=int, default=d.shard_size, help=f"prompts per shard (default: {d.shard_size})")
+    p.add_argument("--out", default=d.out, help=f"data directory (default: {d.out})")
+    p.add_argument("--image-answer-tokens", type=int, default=d.image_answer_tokens,
+                   help=f"teacher mode: greedy answer length for image prompts (default: {d.image_answer_tokens})")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"regenerate mode: cap on the target's answer (default: {d.max_new_tokens})")
+    p.add_argument("--calib-prompts", type=int, default=d.calib_prompts,
+                   help=f"prompts whose attention entropy picks the entropy layer (default: {d.calib_prompts})")
+    p.add_argument("--entropy-layer", type=int, default=None, help="use this hidden-state index instead of calibrating")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default: torch's choice; 1 is far faster on a busy machine)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from decode.cli import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    logging.getLogger("supernet").setLevel(logging.INFO)  # the size estimate and the entropy layer
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = DataConfig(target=args.target, prompts=args.prompts, mode=args.mode, max_len=args.max_len, topk=args.topk,
+                        space=args.space, shard_size=args.shard_size, out=args.out,
+                        image_answer_tokens=args.image_answer_tokens, max_new_tokens=args.max_new_tokens,
+                        calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer, device=args.device,
+                        dtype=args.dtype, cache_dir=str(args.cache_dir) if args.cache_dir else None)
+    out = build_data(config)
+    m = read_manifest(out)
+    c, run = m["counts"], m["runs"][-1]
+    print(f"{m['target']['name']}: {c['sequences']} sequences, {c['tokens']} tokens ({c['loss_tokens']} trained), "
+          f"{m['bytes'] / 1e6:.1f} MB in {out}; entropy layer {m['entropy']['layer']}; layers {m['layers']}; "
+          f"this run: {run['shards_built']} shards, {run['seconds']:.1f} s ({run['tokens_per_s']} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    from decode.cli import run_cli
+
+    run_cli(main)

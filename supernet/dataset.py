@@ -1,0 +1,280 @@
+"""Reading (and the format of) the feature shards that `supernet.data` writes.
+
+A data directory holds `manifest.json`, `token_counts.safetensors` ((V,) int64 counts of the
+tokens the draft has to predict) and shards `shard-00000.safetensors`, ... Each shard holds S
+sequences concatenated along the token axis (N tokens in all):
+
+    offsets       (S+1,) int64   sequence s is rows offsets[s]:offsets[s+1]
+    prompt_len    (S,)   int64   templated prompt tokens (image included); the answer follows
+    input_ids     (N,)   int32
+    topk_ids      (N, K) int32   target's top-k next-token ids at each position
+    topk_logits   (N, K) fp32    their logits; p = exp(logit - lse) exactly
+    lse           (N,)   fp32    logsumexp of the full next-token logits
+    loss_mask     (N,)   bool    position t's next token is trained (text -> text, t < T-1)
+    image_mask    (N,)   bool    image placeholder tokens
+    attn_entropy  (N, L) fp32    per decoder layer attention entropy of each query (nats)
+    attn_received (N,)   fp32    attention each token receives (mean over layers/heads/queries)
+    hidden.<h>    (N, H) bf16    HF hidden state h (non-negative index; L = after the final norm)
+
+Shard metadata (strings): format, content (hash of the settings that shape the data),
+fingerprint (target weights digest), prompt_ids / sequence_ids (JSON lists), skipped (JSON).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from decode.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "1"
+MANIFEST = "manifest.json"
+COUNTS = "token_counts.safetensors"
+SEQ_KEYS = ("input_ids", "topk_ids", "topk_logits", "lse", "loss_mask", "image_mask", "attn_entropy", "attn_received")
+_STORE_DTYPES = {"input_ids": torch.int32, "topk_ids": torch.int32, "topk_logits": torch.float32, "lse": torch.float32,
+                 "loss_mask": torch.bool, "image_mask": torch.bool, "attn_entropy": torch.float32,
+                 "attn_received": torch.float32}
+_LOAD_DTYPES = {"input_ids": torch.long, "topk_ids": torch.long}
+HIDDEN_DTYPE = torch.bfloat16
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def write_shard(path: Path, seqs: list[dict], meta: dict[str, str]) -> int:
+    """Write sequences (dicts as features_on_the_fly returns them) atomically; returns the file size."""
+    lens = [int(s["input_ids"].numel()) for s in seqs]
+    offsets = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)  # (S+1,)
+    tensors = {"offsets": offsets,
+               "prompt_len": torch.tensor([int(s["prompt_len"]) for s in seqs], dtype=torch.long)}
+    for key in SEQ_KEYS:
+        parts = [s[key].to(_STORE_DTYPES[key]) for s in seqs]
+        tensors[key] = torch.cat(parts) if parts else torch.zeros(0, dtype=_STORE_DTYPES[key])
+    layers = sorted(seqs[0]["hidden"]) if seqs else []
+    for h in layers:
+        tensors[f"hidden.{h}"] = torch.cat([s["hidden"][h].to(HIDDEN_DTYPE) for s in seqs])  # (N, H)
+    save_atomic(path, tensors, {"format": FORMAT, **meta})
+    return path.stat().st_size
+
+
+def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """safetensors file written to a temporary name, then renamed: the file is either absent or complete."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)  # safetensors creates 0600 files
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def bytes_per_token(layers: int, hidden: int, topk: int, num_layers: int) -> int:
+    """Disk bytes one token takes in a shard (for the size estimate logged before a build)."""
+    # hidden bf16 + top-k (int32 id + fp32 logit) + lse, received (fp32) + id (int32) + 2 masks
+    # + entropy (fp32 per layer)
+    return 2 * hidden * layers + 8 * topk + 4 + 4 + 4 + 2 + 4 * num_layers
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def summarize_shards(out: Path, shards: list[dict], vocab: int, num_layers: int, top_n: int) -> dict:
+    """Counts, token frequencies (also written to token_counts.safetensors) and the dataset's mean attention
+    entropy per layer, read back from the complete shards."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    ent = torch.zeros(num_layers, dtype=torch.float64)
+    tokens = loss_tokens = image_tokens = 0
+    for s in shards:
+        with safe_open(str(out / s["file"]), "pt") as f:
+            ids, loss = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask")
+            image, e = f.get_tensor("image_mask"), f.get_tensor("attn_entropy")
+        # loss_mask is False at each sequence's last position, so a global shift never crosses sequences
+        counts += torch.bincount(ids[1:][loss[:-1]], minlength=vocab)[:vocab]
+        ent += e.double().sum(0) if e.numel() else 0
+        tokens += ids.numel()
+        loss_tokens += int(loss.sum())
+        image_tokens += int(image.sum())
+    save_atomic(out / COUNTS, {"counts": counts})
+    mean = (ent / max(tokens, 1)).tolist()
+    return {"counts": {"sequences": sum(s["sequences"] for s in shards), "tokens": tokens, "loss_tokens": loss_tokens,
+                       "image_tokens": image_tokens},
+            "top_tokens": torch.sort(-counts, stable=True).indices[:top_n].tolist(),  # most frequent first
+            "dataset_mean_entropy": [round(v, 5) for v in mean]}
+
+
+def read_shard_meta(path: Path) -> dict[str, str] | None:
+    """The metadata of a complete shard, or None when the file is missing or unreadable."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except (OSError, SafetensorError) as err:
+        if path.exists():
+            logger.warning("shard %s is unreadable (%s); it will be rebuilt", path.name, err)
+        return None
+
+
+def read_manifest(directory: Path) -> dict | None:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {path} ({err.__class__.__name__}); delete the directory and build it "
+                        "again") from None
+
+
+def check_target(manifest: dict, fingerprint: dict, target_name: str, directory: Path) -> None:
+    """One-line UserError when a data directory was made for another target."""
+    theirs = manifest.get("target", {})
+    if theirs.get("fingerprint") != fingerprint:
+        def show(fp: dict) -> str:
+            return f"{fp.get('family')}, {fp.get('num_layers')} layers, config {fp.get('config_hash')}, " \
+                   f"weights {fp.get('weights_digest')}"
+
+        raise UserError(f"{directory} holds features of target '{theirs.get('name')}' "
+                        f"({show(theirs.get('fingerprint') or {})}), not of '{target_name}' ({show(fingerprint)}); "
+                        "use another --out or the matching target")
+
+
+class FeatureData:
+    """The sequences of a data directory, loaded lazily (one shard held in memory at a time)."""
+
+    def __init__(self, directory: str | Path, target: object = None):
+        self.dir = Path(directory)
+        manifest = read_manifest(self.dir)
+        if manifest is None:
+            raise UserError(f"no {MANIFEST} in {self.dir}; build the data with: python -m supernet.data "
+                            f"--out {self.dir}")
+        if manifest.get("format") != FORMAT:
+            raise UserError(f"{self.dir} has data format {manifest.get('format')!r}, this code reads {FORMAT!r}; "
+                            "rebuild it")
+        if target is not None:
+            check_target(manifest, target.fingerprint().to_dict(), target.name, self.dir)
+        self.manifest = manifest
+        self.shards = [s for s in manifest["shards"] if s["complete"]]
+        if len(self.shards) < len(manifest["shards"]):
+            logger.warning("%s: %d of %d shards are incomplete; rerun supernet.data to finish them", self.dir,
+                           len(manifest["shards"]) - len(self.shards), len(manifest["shards"]))
+        self._starts = [0]
+        for s in self.shards:
+            self._starts.append(self._starts[-1] + s["sequences"])
+        self.ids: list[str] = [i for s in self.shards for i in s["sequence_ids"]]  # prompt id of each sequence
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._counts: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ description
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Stored hidden-state indices (non-negative; num_layers = after the final norm)."""
+        return tuple(self.manifest["layers"])
+
+    @property
+    def entropy_layer(self) -> int:
+        return int(self.manifest["entropy"]["layer"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.manifest["target"]["fingerprint"]["num_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["target"]["fingerprint"]["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["target"]["fingerprint"]["vocab_size"])
+
+    @property
+    def topk(self) -> int:
+        return int(self.manifest["config"]["topk"])
+
+    @property
+    def config(self):  # -> supernet.data.DataConfig with the entropy layer filled in
+        from supernet.data import DataConfig
+
+        return DataConfig(**{**self.manifest["config"], "entropy_layer": self.entropy_layer})
+
+    def layer_index(self, layer: int) -> int:
+        """The stored key of a (possibly negative) HF hidden-state index: -1 -> num_layers."""
+        h = layer if layer >= 0 else self.num_layers + 1 + layer
+        if h not in self.layers:
+            raise UserError(f"hidden state {layer} is not stored in {self.dir} (stored: {list(self.layers)}); "
+                            "rebuild the data with a search space that uses it")
+        return h
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _shard(self, j: int) -> dict[str, torch.Tensor]:
+        if self._cached is None or self._cached[0] != j:
+            with safe_open(str(self.dir / self.shards[j]["file"]), "pt") as f:
+                self._cached = (j, {k: f.get_tensor(k) for k in f.keys()})
+        return self._cached[1]
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} out of range ({len(self)} sequences)")
+        i %= len(self)
+        j = bisect.bisect_right(self._starts, i) - 1
+        t = self._shard(j)
+        s = i - self._starts[j]
+        a, b = int(t["offsets"][s]), int(t["offsets"][s + 1])
+        out: dict = {k: t[k][a:b].to(_LOAD_DTYPES.get(k, t[k].dtype)) for k in SEQ_KEYS}
+        out["hidden"] = {h: t[f"hidden.{h}"][a:b].float() for h in self.layers}  # {h: (T, H)} fp32
+        out["prompt_len"] = t["prompt_len"][s].clone()
+        return out
+
+    def token_counts(self) -> torch.Tensor:
+        """(V,) int64: how often each token is a trained next token."""
+        if self._counts is None:
+            with safe_open(str(self.dir / COUNTS), "pt") as f:
+                self._counts = f.get_tensor("counts")
+        return self._counts
+
+    def hot_tokens(self, n: int) -> torch.Tensor:
+        """(n,) long: the n most frequent next tokens, by count (ties: lower id first)."""
+        counts = self.token_counts()
+        if not 1 <= n <= counts.numel():
+            raise UserError(f"hot vocabulary of {n} tokens asked, the target vocabulary has {counts.numel()}")
+        order = torch.sort(-counts, stable=True).indices  # (V,)
+        return order[:n].clone()
+
+    # ------------------------------------------------------------------ train / validation
+    def split(self, val_fraction: float = 0.05, min_val: int = 1, seed: int = 0) -> tuple[list[int], list[int]]:
+        """(train, val) sequence indices; val is picked by a seeded hash of the prompt id (stable as data grows)."""
+        n = len(self)
+        n_val = min(max(min_val, round(val_fraction * n)), n - 1) if n > 1 else 0
+        score = [hashlib.sha256(f"{seed}:{pid}".encode()).hexdigest() for pid in self.ids]
+        val = set(sorted(range(n), key=lambda i: (score[i], i))[:n_val])
+        return [i for i in range(n) if i not in val], sorted(val)
+
+    def shard_grouped(self, indices: list[int], rng: random.Random) -> list[int]:
+        """Shuffle `indices` shard by shard (shards in random order, sequences shuffled inside each)
+        so that iterating loads each shard once."""
+        groups: dict[int, list[int]] = {}
+        for i in indices:
+            groups.setdefault(bisect.bisect_right(self._starts, i) - 1, []).append(i)
+        order = list(groups)
+        rng.shuffle(order)
+        out: list[int] = []
+        for j in order:
+            rng.shuffle(groups[j])
+            out.extend(groups[j])
+        return out

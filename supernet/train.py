@@ -1,0 +1,245 @@
+"""`python -m supernet.train`: sandwich-rule training of the draft supernet toward the target.
+
+    python -m supernet.train --target smolvlm-135m --data out/data-smolvlm-135m --scale demo
+    torchrun --nproc_per_node=2 -m supernet.train --target tiny-llava --data DIR --space tiny --steps 20
+
+Each step trains the largest, the smallest and `n_random` random subnets (the same on every rank)
+on this rank's sequences; losses: cross-entropy/KL to the target's next-token distribution +
+smooth-L1 regression of the target's final feature (+ the entropy-layer feature where used), over
+a multi-step unroll (supernet/unroll.py). AdamW, linear warm-up then cosine decay, gradient
+clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
+exactly: the subnets and sequences of step s derive from (seed, s)), a CSV log, tqdm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from configs import config_dir
+from decode.cli import add_target_args, run_cli, setup_logging
+from decode.draft_model import TargetDims
+from decode.errors import UserError
+from decode.loader import load_target
+from supernet import checkpoint as ckpt
+from supernet.dataset import FeatureData
+from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
+from supernet.elastic import DraftSupernet
+from supernet.space import SearchSpace
+from supernet.unroll import LossConfig, subnet_losses
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str
+    data: str
+    out: str
+    space: str = "default"
+    scale: str = "demo"
+    steps: int = 160
+    seqs_per_step: int = 1
+    lr: float = 1e-3
+    warmup: int = 16
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    unroll: int = 3
+    n_random: int = 2
+    ckpt_every: int = 20
+    reorder_at: int = 40  # importance reordering of heads/channels once, after this many steps (0 = never)
+    val_sequences: int = 4
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    resume: bool = False
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up to lr, then cosine decay to 10% of it."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def scale_defaults(scale: str, section: str) -> dict:
+    file = config_dir("scale") / f"{scale}.yaml"
+    if not file.is_file():
+        known = ", ".join(sorted(p.stem for p in config_dir("scale").glob("*.yaml")))
+        raise UserError(f"unknown scale '{scale}'; use one of: {known}")
+    return dict((yaml.safe_load(file.read_text()) or {}).get(section, {}))
+
+
+def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig):
+    """(role, arch) pairs for this step: largest, smallest, then random ones seeded by (seed, step)."""
+    rng = random.Random(cfg.seed * 1_000_003 + step)
+    space, e = model.space, model.entropy_layer
+    pairs = [("largest", space.largest(e)), ("smallest", space.smallest(e))]
+    return pairs + [(f"random{i}", space.sample(rng, e)) for i in range(cfg.n_random)]
+
+
+def sequence_ids(step: int, cfg: TrainConfig, n_train: int, rank: int, world: int) -> list[int]:
+    """This rank's training sequences at `step`: a fresh seeded permutation every epoch."""
+    out = []
+    for b in range(cfg.seqs_per_step):
+        i = (step * world + rank) * cfg.seqs_per_step + b
+        epoch, k = divmod(i, n_train)
+        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(cfg.seed + 7919 * epoch))
+        out.append(int(perm[k]))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: LossConfig) -> dict[str, dict]:
+    out = {}
+    for role, arch in (("largest", model.space.largest(model.entropy_layer)),
+                       ("smallest", model.space.smallest(model.entropy_layer))):
+        model.set_active(arch)
+        stats = [subnet_losses(model, data[i], loss_cfg)[1] for i in ids]
+        out[role] = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+    return out
+
+
+def train(cfg: TrainConfig) -> Path:
+    target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    d = init_distributed(target.device.type)
+    torch.manual_seed(cfg.seed)
+    data = FeatureData(cfg.data, target)
+    space = SearchSpace.load(cfg.space)
+    out = Path(cfg.out)
+    ck_dir = out / "checkpoint"
+    if cfg.resume:
+        state = ckpt.read_state(ck_dir)
+        if state["space"] != space.to_dict():
+            raise UserError(f"checkpoint in '{ck_dir}' was trained on another search space; pass the same --space")
+        if state["target"] != target.fingerprint().to_dict():
+            raise UserError(f"checkpoint in '{ck_dir}' belongs to target '{state.get('target_name')}', not '{target.name}'")
+    reduced = [v for v in space.draft_vocab if v is not None]
+    hot = data.hot_tokens(max(reduced)) if reduced else None
+    model = DraftSupernet(space, TargetDims.of(target), data.entropy_layer, hot).attach(target, init_head=True)
+    model.float().train()  # fp32 master weights; bf16 autocast on GPU
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    start = 0
+    if cfg.resume:
+        ckpt.load_weights(ck_dir, model)
+        ckpt.load_optimizer(ck_dir, model, opt)
+        start = int(state["step"])
+        logger.info("resumed from %s at step %d", ck_dir, start)
+    n_val = min(cfg.val_sequences, max(0, len(data) - 1))
+    val_ids = list(range(len(data) - n_val, len(data)))
+    n_train = len(data) - n_val
+    loss_cfg = LossConfig(unroll=cfg.unroll)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = out / "train_log.csv"
+    fields_ = ["step", "role", "lr", "loss", "kl0", "acc0", "arch", "elapsed_s"]
+    if d.main and (start == 0 or not log_file.exists()):
+        with log_file.open("w", newline="") as f:
+            csv.writer(f).writerow(fields_)
+    on_gpu = target.device.type == "cuda"
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, cfg.steps), desc="supernet", disable=not d.main, initial=start, total=cfg.steps)
+    for step in bar:
+        lr = cfg.lr_at(step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        rows = []
+        seqs = sequence_ids(step, cfg, n_train, d.rank, d.world)
+        roles = sandwich(model, step, cfg)
+        for role, arch in roles:
+            model.set_active(arch)
+            agg: dict[str, float] = {}
+            for i in seqs:
+                with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
+                    loss, stats = subnet_losses(model, data[i], loss_cfg)
+                (loss / (len(seqs) * len(roles))).backward()
+                for k, v in stats.items():
+                    agg[k] = agg.get(k, 0.0) + v / len(seqs)
+            rows.append([step, role, f"{lr:.3g}", f"{agg.get('loss', 0):.4f}", f"{agg.get('kl0', 0):.4f}",
+                         f"{agg.get('acc0', 0):.3f}", arch.to_json(), f"{time.perf_counter() - t0:.1f}"])
+        average_gradients(params, d)
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cfg.reorder_at and step + 1 == cfg.reorder_at:
+            model.reorder_by_importance(opt)  # deterministic, so every rank permutes alike
+        bar.set_postfix({r[1][:5]: r[4] for r in rows[:2]})
+        if d.main:
+            with log_file.open("a", newline="") as f:
+                csv.writer(f).writerows(rows)
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
+            _save(ck_dir, model, opt, step + 1, cfg, space, target, data, d)
+    if d.main and val_ids:
+        evals = evaluate(model, data, val_ids, loss_cfg)
+        logger.info("held-out: %s", {r: {k: round(v, 3) for k, v in s.items()} for r, s in evals.items()})
+        state = ckpt.read_state(ck_dir)
+        state["validation"] = evals
+        (ck_dir / ckpt.STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    barrier(d)
+    shutdown(d)
+    return ck_dir
+
+
+def _save(ck_dir, model, opt, step, cfg, space, target, data, d) -> None:
+    if d.main:
+        state = {"step": step, "config": asdict(cfg), "space": space.to_dict(), "entropy_layer": data.entropy_layer,
+                 "target": target.fingerprint().to_dict(), "target_name": target.name, "dims": asdict(model.dims),
+                 "data": str(cfg.data), "format": "vlm-draft-nas/supernet-v1"}
+        ckpt.save_checkpoint(ck_dir, model, opt, state)
+    barrier(d)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m supernet.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(p)
+    p.add_argument("--data", required=True, help="feature data directory from supernet.data")
+    p.add_argument("--space", default="default", help="search space: a name in configs/space or a YAML file")
+    p.add_argument("--scale", default="demo", help="preset in configs/scale (demo|full); flags below override it")
+    p.add_argument("--out", default=None, help="output directory (default: out/supernet-<target>-<scale>)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    for f in fields(TrainConfig):
+        if f.name in ("target", "data", "out", "space", "scale", "device", "dtype", "resume"):
+            continue
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    base = scale_defaults(args.scale, "train")
+    cfg = TrainConfig(target=args.target, data=args.data, out=args.out or f"out/supernet-{Path(args.target).name}-{args.scale}",
+                      space=args.space, scale=args.scale, device=args.device, dtype=args.dtype, resume=args.resume)
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = replace(cfg, **{k: v for k, v in base.items() if k in known})
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None
+                 and f.name not in ("target", "data", "out", "space", "scale", "device", "dtype", "resume")}
+    cfg = replace(cfg, **overrides)
+    if cfg.steps < 1 or cfg.seqs_per_step < 1 or cfg.unroll < 1:
+        raise UserError("steps, seqs-per-step and unroll must be >= 1")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    logging.getLogger("supernet").setLevel(logging.INFO)
+    path = train(config_from_args(args))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,116 @@
+"""supernet.train: the sandwich rule learns, resume is exact, torchrun (gloo, 2 processes) works."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_target
+from decode.draft_model import TargetDims
+from decode.errors import UserError
+from supernet import checkpoint as ckpt
+from supernet.data import DataConfig, build_data
+from supernet.dataset import FeatureData
+from supernet.elastic import DraftSupernet
+from supernet.space import SearchSpace
+from supernet.train import TrainConfig, evaluate, train
+from supernet.unroll import LossConfig, unroll_mask
+
+TARGET = "tiny-llava"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sn") / "data"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build_data(DataConfig(target=TARGET, prompts="sharegpt:10,images:2", space="tiny", max_len=48, topk=16,
+                              image_answer_tokens=8, shard_size=4, out=str(out)), target=tiny_target(TARGET))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _cfg(data_dir, out, **kw) -> TrainConfig:
+    base = dict(target=TARGET, data=str(data_dir), out=str(out), space="tiny", steps=6, lr=3e-3, warmup=2,
+                unroll=2, n_random=1, ckpt_every=3, reorder_at=4, val_sequences=2, device="cpu", dtype="float32")
+    return TrainConfig(**{**base, **kw})
+
+
+def _losses(out) -> list[tuple[str, str, str]]:
+    with open(out / "train_log.csv") as f:
+        return [(r["step"], r["role"], r["loss"]) for r in csv.DictReader(f)]
+
+
+def test_unroll_mask_sees_root_prefix_and_ancestors():
+    m = unroll_mask(5, 2, torch.device("cpu"))  # (5, 15): step-0, step-1, step-2 entries
+    p = 4  # query at position 4, root at 2
+    assert m[p, :5].tolist() == [True, True, True, False, False]
+    assert m[p, 5:10].tolist() == [False, False, False, True, False]  # step-1 entry at position 3
+    assert m[p, 10:].tolist() == [False, False, False, False, True]  # itself
+
+
+def test_sandwich_training_learns(data_dir, tmp_path):
+    target = tiny_target(TARGET)
+    data = FeatureData(data_dir, target)
+    cfg = _cfg(data_dir, tmp_path / "run", steps=150, ckpt_every=150, reorder_at=30, val_sequences=0)
+    torch.manual_seed(0)
+    fresh = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), data.entropy_layer,
+                          data.hot_tokens(128)).attach(target, init_head=True).float()
+    ids = list(range(len(data)))[:6]
+    before = evaluate(fresh, data, ids, LossConfig(unroll=2))
+    train(cfg)
+    trained = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), data.entropy_layer,
+                            data.hot_tokens(128)).attach(target).float()
+    ckpt.load_weights(tmp_path / "run" / "checkpoint", trained)
+    after = evaluate(trained, data, ids, LossConfig(unroll=2))
+    for role in ("largest", "smallest"):
+        assert after[role]["kl0"] < 0.7 * before[role]["kl0"], (role, before[role], after[role])
+
+
+def test_resume_continues_exactly(data_dir, tmp_path):
+    train(_cfg(data_dir, tmp_path / "straight"))
+    train(_cfg(data_dir, tmp_path / "split", steps=3))
+    train(_cfg(data_dir, tmp_path / "split", resume=True))
+    assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
+    a = load_file(str(tmp_path / "straight" / "checkpoint" / ckpt.MODEL))
+    b = load_file(str(tmp_path / "split" / "checkpoint" / ckpt.MODEL))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_another_space_or_target_fails(data_dir, tmp_path):
+    train(_cfg(data_dir, tmp_path / "r", steps=1, ckpt_every=1))
+    with pytest.raises(UserError, match="another search space"):
+        train(_cfg(data_dir, tmp_path / "r", space="default", resume=True))
+    with pytest.raises(UserError, match="no supernet checkpoint"):
+        train(_cfg(data_dir, tmp_path / "none", resume=True))
+    with pytest.raises(UserError):
+        train(_cfg(data_dir, tmp_path / "x", target="tiny-llama"))  # data made for tiny-llava
+
+
+def test_torchrun_two_processes(data_dir, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+           "-m", "supernet.train", "--target", TARGET, "--data", str(data_dir), "--space", "tiny", "--steps", "2",
+           "--ckpt-every", "2", "--unroll", "1", "--n-random", "1", "--val-sequences", "0", "--out", str(out),
+           "--device", "cpu"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    state = json.loads((out / "checkpoint" / ckpt.STATE).read_text())
+    assert state["step"] == 2 and state["format"] == "vlm-draft-nas/supernet-v1"
+    target = tiny_target(TARGET)
+    model = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), state["entropy_layer"],
+                          FeatureData(data_dir).hot_tokens(128)).attach(target)
+    ckpt.load_weights(out / "checkpoint", model)  # same format as a single-process checkpoint
+    rows = list(csv.DictReader(open(out / "train_log.csv")))
+    assert len(rows) == 2 * 3  # 2 steps x (largest, smallest, 1 random), logged once (rank 0)
