@@ -24,8 +24,9 @@ class NeuralDraft(ModelDraft):
     def __init__(self, model: DraftModel, name: str = "neural"):
         self.model = model
         self.name = name
-        arch = model.arch
+        arch = getattr(model, "active", model.arch)  # a supernet runs its active subnet
         self.feature_layers = arch.feature_layers
+        self.visual_keep = arch.visual_keep
         self.attention_stats = arch.visual_keep < 1.0
         self.default_tree = arch.tree
 
@@ -41,8 +42,8 @@ class NeuralDraft(ModelDraft):
         t = feats.shape[0]
         keep = torch.ones(t, dtype=torch.bool)
         img = prefill.image_positions.cpu()
-        if img.numel() and self.model.arch.visual_keep < 1.0:
-            n_keep = max(1, math.ceil(self.model.arch.visual_keep * img.numel()))
+        if img.numel() and self.visual_keep < 1.0:
+            n_keep = max(1, math.ceil(self.visual_keep * img.numel()))
             score = prefill.attn_received.cpu()[img]
             keep[img] = False
             keep[img[score.topk(n_keep).indices]] = True

@@ -1,0 +1,81 @@
+"""Simulated greedy tau (replay on stored target data) equals tau of real speculative decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_target
+from decode.datasets import PromptItem
+from decode.draft_model import TargetDims
+from decode.drafts import NeuralDraft
+from decode.speculative import speculative_generate
+from decode.tree import TreePolicy
+from nas.acceptance import estimate_tau
+from supernet import checkpoint as ckpt
+from supernet.data import DataConfig, build_data, features_on_the_fly
+from supernet.dataset import FeatureData
+from supernet.elastic import DraftSupernet
+from supernet.space import SearchSpace
+from supernet.train import TrainConfig, train
+
+TARGET = "tiny-llava"
+ITEMS = [
+    PromptItem("a", "Tell me a story about a cat and a dog. The cat and the dog", None, None),
+    PromptItem("b", "the cat sat on the mat and the cat", None, None),
+    PromptItem("c", "What is in the picture?", "skimage:coffee", None),
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny supernet trained briefly so that its drafts accept some tokens."""
+    root = tmp_path_factory.mktemp("acc")
+    target = tiny_target(TARGET)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        build_data(DataConfig(target=TARGET, prompts="sharegpt:8", space="tiny", mode="regenerate", max_len=56,
+                              max_new_tokens=32, topk=16, shard_size=4, out=str(root / "data")), target=target)
+        train(TrainConfig(target=TARGET, data=str(root / "data"), out=str(root / "sn"), space="tiny", steps=80,
+                          lr=3e-3, warmup=5, unroll=2, n_random=1, ckpt_every=80, reorder_at=20, val_sequences=0,
+                          device="cpu", dtype="float32"))
+    finally:
+        torch.set_num_threads(threads)
+    data = FeatureData(root / "data", target)
+    model = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), data.entropy_layer,
+                          data.hot_tokens(128)).attach(target).float().eval()
+    ckpt.load_weights(root / "sn" / "checkpoint", model)
+    cfg = DataConfig(target=TARGET, space="tiny", mode="regenerate", max_len=80, topk=8, max_new_tokens=40,
+                     entropy_layer=data.entropy_layer)
+    seqs = [features_on_the_fly(target, item, cfg) for item in ITEMS]  # fp32 features, the target's own answers
+    return target, model, seqs
+
+
+def test_simulated_tau_equals_real_speculative_decoding(trained):
+    target, model, seqs = trained
+    rng = random.Random(0)
+    archs = [model.space.largest(model.entropy_layer), model.space.smallest(model.entropy_layer)]
+    archs += [model.sample(rng) for _ in range(5)]
+    accepted_any = False
+    for arch in archs:
+        policy = TreePolicy(spec=arch.tree)
+        sim = estimate_tau(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, policy)
+        sub = model.extract(arch, target)
+        emitted = cycles = 0
+        hist: dict[int, int] = {}
+        for item, seq in zip(ITEMS, seqs):
+            p = int(seq["prompt_len"])
+            prompt = target.build_prompt(item.text, item.image)
+            real = speculative_generate(target, NeuralDraft(sub), prompt, seq["input_ids"].numel() - p, policy=policy)
+            assert real.tokens == seq["input_ids"][p:].tolist()  # the stored answer is the target's greedy text
+            emitted += real.new_tokens - 1
+            cycles += real.cycles
+            for k, v in real.accept_hist.items():
+                hist[k] = hist.get(k, 0) + v
+        assert sim.cycles == cycles and sim.hist == hist, (arch, sim, hist)
+        assert sim.tau == pytest.approx(emitted / cycles, abs=1e-12)
+        accepted_any |= sim.tau > 1.0
+    assert accepted_any  # the comparison covered accepted tokens, not only rejections
