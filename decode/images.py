@@ -8,8 +8,10 @@ from PIL import Image, UnidentifiedImageError
 
 from decode.errors import UserError
 
-# photos shipped inside scikit-image (no download): name -> loader name in skimage.data
-BUNDLED_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "cat", "immunohistochemistry", "motorcycle_left")
+# photos shipped inside scikit-image (no download): name -> function in skimage.data
+_LOADERS = {"astronaut": "astronaut", "coffee": "coffee", "chelsea": "chelsea", "rocket": "rocket", "cat": "cat",
+            "immunohistochemistry": "immunohistochemistry", "motorcycle_left": "stereo_motorcycle"}
+BUNDLED_PHOTOS = tuple(_LOADERS)
 
 
 def load_image(image: object) -> Image.Image:
@@ -35,7 +37,7 @@ def bundled_photo(name: str) -> Image.Image:
 
     if name not in BUNDLED_PHOTOS:
         raise UserError(f"unknown bundled photo '{name}'; choose one of: {', '.join(BUNDLED_PHOTOS)}")
-    arr = getattr(skimage.data, name)()
+    arr = getattr(skimage.data, _LOADERS[name])()
     if isinstance(arr, tuple):  # stereo pairs come as (left, right, disparity)
         arr = arr[0]
     return Image.fromarray(arr).convert("RGB")

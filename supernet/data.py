@@ -49,6 +49,7 @@ _PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_id
 class DataConfig:
     target: str = "smolvlm-135m"
     prompts: str = "sharegpt:64,images:8"
+    split: str = "train"  # train (supernet training) | heldout (acceptance estimation for the search)
     mode: str = "teacher"
     max_len: int = 256  # tokens per sequence (prompt + answer)
     topk: int = 32  # target next-token logits kept per position
@@ -66,6 +67,8 @@ class DataConfig:
     cache_dir: str | None = None
 
     def check(self) -> None:
+        if self.split not in ("train", "heldout"):
+            raise UserError(f"unknown split '{self.split}'; use train or heldout")
         if self.mode not in MODES:
             raise UserError(f"unknown mode '{self.mode}'; use one of: {', '.join(MODES)}")
         if self.max_len < 2:
@@ -204,7 +207,7 @@ def calibrate_entropy(target: TargetModel, items: list[PromptItem], config: Data
 
 def load_prompts(config: DataConfig, is_vlm: bool, target_name: str) -> list[PromptItem]:
     cache = Path(config.cache_dir) if config.cache_dir else None
-    items = parse_prompt_spec(config.prompts, split="train", max_chars=config.max_prompt_chars, cache_dir=cache)
+    items = parse_prompt_spec(config.prompts, split=config.split, max_chars=config.max_prompt_chars, cache_dir=cache)
     if not is_vlm and any(p.image for p in items):
         logger.warning("target %s is text-only: skipping %d image prompt(s)", target_name,
                        sum(bool(p.image) for p in items))
@@ -358,11 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m supernet.data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
-    p.add_argument("--prompts", default=d.prompts, help=f"train-split prompt spec (default: {d.prompts})")
-    p.add_argument("--mode", choices=MODES, default=d.mode,
+    p.add_argument("--scale", default=None,
+                   help="take prompts/mode/max-len/topk from configs/scale/<scale>.yaml (explicit flags win)")
+    p.add_argument("--split", choices=("train", "heldout"), default=d.split,
+                   help=f"prompt split: train for supernet.train, heldout for nas.search (default: {d.split})")
+    p.add_argument("--prompts", default=None, help=f"prompt spec (default: {d.prompts})")
+    p.add_argument("--mode", choices=MODES, default=None,
                    help=f"answers: the dataset's or the target's own (default: {d.mode})")
-    p.add_argument("--max-len", type=int, default=d.max_len, help=f"tokens per sequence (default: {d.max_len})")
-    p.add_argument("--topk", type=int, default=d.topk, help=f"target logits kept per token (default: {d.topk})")
+    p.add_argument("--max-len", type=int, default=None, help=f"tokens per sequence (default: {d.max_len})")
+    p.add_argument("--topk", type=int, default=None, help=f"target logits kept per token (default: {d.topk})")
     p.add_argument("--space", default=d.space,
                    help=f"search space (YAML or name): which layers to store (default: {d.space})")
     p.add_argument("--shard-size", type=int, default=d.shard_size, help=f"prompts per shard (default: {d.shard_size})")
@@ -390,8 +397,15 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = DataConfig(target=args.target, prompts=args.prompts, mode=args.mode, max_len=args.max_len, topk=args.topk,
-                        space=args.space, shard_size=args.shard_size, out=args.out,
+    preset = {}
+    if args.scale:
+        from supernet.train import scale_defaults
+
+        preset = scale_defaults(args.scale, "data")
+    d = DataConfig()
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, getattr(d, k))
+            for k in ("prompts", "mode", "max_len", "topk")}
+    config = DataConfig(target=args.target, split=args.split, **pick, space=args.space, shard_size=args.shard_size, out=args.out,
                         image_answer_tokens=args.image_answer_tokens, max_new_tokens=args.max_new_tokens,
                         calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer, device=args.device,
                         dtype=args.dtype, cache_dir=str(args.cache_dir) if args.cache_dir else None)

@@ -61,6 +61,8 @@ class TrainConfig:
     ckpt_every: int = 20
     reorder_at: int = 40  # importance reordering of heads/channels once, after this many steps (0 = never)
     val_sequences: int = 4
+    max_positions: int = 0  # scored positions per sequence and unroll step (0 = all)
+    threads: int = 0  # torch intra-op threads (0 = torch's default)
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
@@ -107,12 +109,14 @@ def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: 
     for role, arch in (("largest", model.space.largest(model.entropy_layer)),
                        ("smallest", model.space.smallest(model.entropy_layer))):
         model.set_active(arch)
-        stats = [subnet_losses(model, data[i], loss_cfg)[1] for i in ids]
+        stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0))[1] for i in ids]
         out[role] = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
     return out
 
 
 def train(cfg: TrainConfig) -> Path:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
     d = init_distributed(target.device.type)
     torch.manual_seed(cfg.seed)
@@ -141,7 +145,7 @@ def train(cfg: TrainConfig) -> Path:
     n_val = min(cfg.val_sequences, max(0, len(data) - 1))
     val_ids = list(range(len(data) - n_val, len(data)))
     n_train = len(data) - n_val
-    loss_cfg = LossConfig(unroll=cfg.unroll)
+    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "train_log.csv"
     fields_ = ["step", "role", "lr", "loss", "kl0", "acc0", "arch", "elapsed_s"]
@@ -163,7 +167,7 @@ def train(cfg: TrainConfig) -> Path:
             agg: dict[str, float] = {}
             for i in seqs:
                 with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
-                    loss, stats = subnet_losses(model, data[i], loss_cfg)
+                    loss, stats = subnet_losses(model, data[i], loss_cfg, seed=step * 100_003 + i)
                 (loss / (len(seqs) * len(roles))).backward()
                 for k, v in stats.items():
                     agg[k] = agg.get(k, 0.0) + v / len(seqs)

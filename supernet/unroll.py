@@ -31,6 +31,7 @@ class LossConfig:
     kl_weight: float = 1.0
     feat_weight: float = 0.2
     aux_weight: float = 0.1  # entropy-layer feature regression, where the arch uses that layer
+    max_positions: int = 0  # > 0: score only this many (seeded) positions per step; the LM head dominates on CPU
 
 
 def unroll_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -70,8 +71,11 @@ def visible_positions(arch: DraftArch, image_mask: torch.Tensor, attn_received: 
     return keep.nonzero().flatten()
 
 
-def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted loss of the active subnet on one sequence (scalar) and logging figures."""
+def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted loss of the active subnet on one sequence (scalar) and logging figures.
+
+    seed picks the scored positions when cfg.max_positions limits them (the same for every subnet
+    of a step, so the sandwich compares like with like)."""
     arch = model.active
     num_layers = model.dims.num_layers
     dev = model.feat_fc.weight.device
@@ -102,6 +106,11 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig) -> tuple[tor
         valid[:step] = False  # the root p - step must exist
         if not bool(valid.any()):
             break
+        if cfg.max_positions and int(valid.sum()) > cfg.max_positions:
+            idx = valid.nonzero().flatten()
+            pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed * 31 + step))
+            valid = torch.zeros_like(valid)
+            valid[idx[pick[: cfg.max_positions].to(idx.device)]] = True
         logits = model.logits(h[valid])  # (n, V)
         ce, kl = target_kl(logits, topk_ids[valid], topk_logits[valid], lse[valid])
         feat = F.smooth_l1_loss(h[valid].float(), last[keep][valid].float())

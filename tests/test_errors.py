@@ -79,3 +79,12 @@ def test_cli_json_on_tiny_vlm():
     out = json.loads(res.stdout)
     assert {"text", "new_tokens", "tokens_per_s"} <= set(out)
     assert 1 <= out["new_tokens"] <= 5 and out["tokens_per_s"] > 0
+
+
+def test_every_bundled_photo_loads():
+    from decode.images import BUNDLED_PHOTOS, bundled_photo
+
+    for name in BUNDLED_PHOTOS:
+        assert min(bundled_photo(name).size) > 100
+    with pytest.raises(UserError, match="unknown bundled photo"):
+        bundled_photo("moon-landing")
