@@ -62,6 +62,7 @@ class TrainConfig:
     reorder_at: int = 40  # importance reordering of heads/channels once, after this many steps (0 = never)
     val_sequences: int = 4
     max_positions: int = 0  # scored positions per sequence and unroll step (0 = all)
+    answer_only: bool = True  # score only positions that predict answer tokens (what drafts propose at run time)
     threads: int = 0  # torch intra-op threads (0 = torch's default)
     seed: int = 0
     device: str = "auto"
@@ -110,7 +111,9 @@ def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: 
                        ("smallest", model.space.smallest(model.entropy_layer))):
         model.set_active(arch)
         stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0))[1] for i in ids]
-        out[role] = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+        keys = {k for s in stats for k in s}
+        # sequences without scored positions lack the per-step figures: average over those that have them
+        out[role] = {k: sum(s[k] for s in stats if k in s) / max(1, sum(k in s for s in stats)) for k in sorted(keys)}
     return out
 
 
@@ -145,7 +148,7 @@ def train(cfg: TrainConfig) -> Path:
     n_val = min(cfg.val_sequences, max(0, len(data) - 1))
     val_ids = list(range(len(data) - n_val, len(data)))
     n_train = len(data) - n_val
-    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions)
+    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, answer_only=cfg.answer_only)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "train_log.csv"
     fields_ = ["step", "role", "lr", "loss", "kl0", "acc0", "arch", "elapsed_s"]
@@ -168,7 +171,8 @@ def train(cfg: TrainConfig) -> Path:
             for i in seqs:
                 with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
                     loss, stats = subnet_losses(model, data[i], loss_cfg, seed=step * 100_003 + i)
-                (loss / (len(seqs) * len(roles))).backward()
+                if loss.requires_grad:  # a sequence with no scored position (all prompt) adds nothing
+                    (loss / (len(seqs) * len(roles))).backward()
                 for k, v in stats.items():
                     agg[k] = agg.get(k, 0.0) + v / len(seqs)
             rows.append([step, role, f"{lr:.3g}", f"{agg.get('loss', 0):.4f}", f"{agg.get('kl0', 0):.4f}",
@@ -217,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         if f.name in ("target", "data", "out", "space", "scale", "device", "dtype", "resume"):
             continue
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
+        if isinstance(f.default, bool):
+            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 

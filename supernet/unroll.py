@@ -32,6 +32,7 @@ class LossConfig:
     feat_weight: float = 0.2
     aux_weight: float = 0.1  # entropy-layer feature regression, where the arch uses that layer
     max_positions: int = 0  # > 0: score only this many (seeded) positions per step; the LM head dominates on CPU
+    answer_only: bool = True  # score positions that predict answer tokens (what a draft proposes at run time)
 
 
 def unroll_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -87,7 +88,10 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 
     prev = torch.cat([feats.new_zeros(1, feats.shape[1]), feats[:-1]])[keep]  # feature of position j-1
     pos = keep  # original positions (gaps where image tokens were dropped)
     t = keep.numel()
-    mask = seq["loss_mask"].to(dev)[keep].bool()
+    loss_mask = seq["loss_mask"].to(dev).bool()
+    if cfg.answer_only and "prompt_len" in seq:  # position j predicts token j+1: answers start at prompt_len - 1
+        loss_mask = loss_mask & (torch.arange(loss_mask.numel(), device=dev) >= int(seq["prompt_len"]) - 1)
+    mask = loss_mask[keep]
     topk_ids, topk_logits, lse = (seq[k].to(dev)[keep] for k in ("topk_ids", "topk_logits", "lse"))
     aux_target = None
     if model.entropy_layer is not None and any(
