@@ -317,7 +317,7 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
                 "target": {"name": target.name, "fingerprint": fp, "dtype": content["dtype"], "is_vlm": target.is_vlm,
                            "image_token_id": target.image_token_id},
                 "layers": list(layers), "entropy": entropy,
-                "split": {"split": "train", "rule": "decode.datasets.split_of", "heldout_fraction": 0.02,
+                "split": {"split": config.split, "rule": "decode.datasets.split_of", "heldout_fraction": 0.02,
                           "heldout_photos": list(HELDOUT_PHOTOS)},
                 "shards": shards, "complete": False, "environment": environment(target.device),
                 "runs": (old or {}).get("runs", [])}
