@@ -1,0 +1,158 @@
+"""Device identity: which machine a profile was measured on, and its canonical hardware name.
+
+The canonical names (`a100`, `h100`, `h200`, `l4`, `rtx4090`, `cpu`) key the spec sheets in
+configs/hardware/ and the profile file names (profiles/<hardware>-<target>.json). A GPU is read
+through NVML (pynvml: name, memory, clocks, driver, power limit) and torch (compute capability,
+SM count); without a GPU, or without the NVML library, pynvml raises `pynvml.NVMLError` and the
+identity falls back to torch alone, or to the CPU model and core count from the OS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# (regex on the device name, canonical name); first match wins. `L4` must not match L40/L40S.
+_GPU_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"\bA100\b", "a100"),
+    (r"\bH100\b", "h100"),
+    (r"\bH200\b", "h200"),
+    (r"\bL4\b(?!\d)", "l4"),
+    (r"\bRTX\s*4090\b", "rtx4090"),
+)
+HARDWARE_NAMES = ("a100", "h100", "h200", "l4", "rtx4090", "cpu")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a profile records about the machine it was measured on."""
+
+    hardware: str  # canonical name (HARDWARE_NAMES) or "gpu-<slug>" for a GPU without a spec sheet
+    kind: str  # "cuda" | "cpu"
+    name: str  # raw device name (GPU product name or CPU model)
+    memory_bytes: int
+    variant: str | None = None  # e.g. "40gb" / "80gb" for the A100
+    capability: str | None = None  # CUDA compute capability "9.0"
+    sm_count: int | None = None
+    sm_clock_mhz: int | None = None  # max SM clock
+    mem_clock_mhz: int | None = None  # max memory clock
+    driver: str | None = None
+    power_limit_w: float | None = None
+    cpu_model: str = ""
+    cpu_cores: int = 0
+    torch_threads: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceInfo":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def canonical_name(device_name: str, kind: str = "cuda") -> str:
+    """Canonical hardware name for a device name ("NVIDIA H200" -> "h200", any CPU -> "cpu")."""
+    if kind == "cpu":
+        return "cpu"
+    for pattern, name in _GPU_PATTERNS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return name
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower().replace("nvidia", "")).strip("-")
+    return f"gpu-{slug or 'unknown'}"
+
+
+def memory_variant(hardware: str, memory_bytes: int) -> str | None:
+    """The memory variant of products sold in several sizes (A100 40/80 GB)."""
+    if hardware != "a100" or memory_bytes <= 0:
+        return None
+    return "40gb" if memory_bytes < 60 * 2**30 else "80gb"
+
+
+def cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (affinity mask, e.g. a container's share), else os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def system_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _nvml_fields(index: int) -> dict:
+    """Fields NVML knows; {} when there is no NVML library or no such GPU."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:  # LibraryNotFound / DriverNotLoaded on machines without a GPU
+        logger.debug("NVML unavailable: %s", err)
+        return {}
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(h)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        out = {
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+            "driver": driver.decode() if isinstance(driver, bytes) else driver,
+        }
+        for key, fn in (("sm_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                        ("mem_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+                        ("power_limit_w", lambda: pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0)):
+            try:  # some fields are not supported on every board (e.g. power limit on laptops)
+                out[key] = fn()
+            except pynvml.NVMLError as err:
+                logger.debug("NVML field %s unavailable: %s", key, err)
+        return out
+    except pynvml.NVMLError as err:
+        logger.warning("NVML could not read GPU %d: %s", index, err)
+        return {}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def local_device(device: torch.device | str | None = None) -> DeviceInfo:
+    """Identity of the device that `device` (default: cuda if available, else cpu) names."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    common = dict(cpu_model=cpu_model(), cpu_cores=cpu_cores(), torch_threads=torch.get_num_threads())
+    if dev.type != "cuda":
+        return DeviceInfo(hardware="cpu", kind="cpu", name=common["cpu_model"], memory_bytes=system_memory_bytes(),
+                          **common)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    nvml = _nvml_fields(index)
+    name = nvml.get("name", props.name)
+    memory = int(nvml.get("memory_bytes", props.total_memory))
+    hardware = canonical_name(name)
+    return DeviceInfo(
+        hardware=hardware, kind="cuda", name=name, memory_bytes=memory, variant=memory_variant(hardware, memory),
+        capability=f"{props.major}.{props.minor}", sm_count=int(props.multi_processor_count),
+        sm_clock_mhz=nvml.get("sm_clock_mhz"), mem_clock_mhz=nvml.get("mem_clock_mhz"), driver=nvml.get("driver"),
+        power_limit_w=nvml.get("power_limit_w"), **common,
+    )

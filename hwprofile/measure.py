@@ -1,0 +1,98 @@
+"""Measure a profile on this machine: target tables, draft component tables, the cycle overhead."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from decode.loader import load_target, pick_device, pick_dtype
+from decode.target import TargetModel
+from hwprofile.bench_draft import measure_draft
+from hwprofile.bench_overhead import measure_overhead
+from hwprofile.bench_target import measure_target
+from hwprofile.config import ProfileConfig, default_grids
+from hwprofile.device import DeviceInfo, local_device
+from hwprofile.schema import Profile
+from hwprofile.tables import Table
+from hwprofile.timing import Timer
+from supernet.space import SearchSpace
+
+logger = logging.getLogger(__name__)
+
+
+def versions(info: DeviceInfo | None = None) -> dict:
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda, "driver": info.driver if info is not None else None}
+
+
+def target_info(target: TargetModel) -> dict:
+    cfg = target.text_config
+    heads = int(cfg.num_attention_heads)
+    return {"name": target.name, "fingerprint": target.fingerprint().to_dict(), "hidden_size": target.hidden_size,
+            "num_layers": target.num_layers, "num_heads": heads,
+            "num_kv_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(cfg, "head_dim", None) or target.hidden_size // heads),
+            "vocab_size": target.vocab_size}
+
+
+def load_space(cfg: ProfileConfig, target: TargetModel) -> SearchSpace:
+    space = SearchSpace.load(cfg.space_name)
+    space.check_target(target.num_layers, target.vocab_size)
+    return space
+
+
+def load_average() -> float | None:
+    """1-minute system load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(".py"):
+        argv[0] = "python -m hwprofile." + argv[0].rsplit("/", 1)[-1][:-3]
+    return " ".join(argv)
+
+
+def open_target(cfg: ProfileConfig) -> TargetModel:
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    dev = pick_device(cfg.device)
+    return load_target(cfg.target, device=str(dev), dtype=pick_dtype(cfg.dtype, dev), cache_dir=cfg.cache_dir)
+
+
+def measure_profile(cfg: ProfileConfig, target: TargetModel | None = None, progress: bool = True) -> Profile:
+    """A measured profile of cfg.target on this machine (cfg.hardware must be this machine)."""
+    t0, load_before = time.perf_counter(), load_average()
+    target = target if target is not None else open_target(cfg)
+    space = load_space(cfg, target)
+    info = local_device(target.device)
+    grids = default_grids(target.device.type, space, cfg.quick)
+    timer = Timer(target.device)
+    logger.info("profiling %s on %s (%s, %d torch threads)", target.name, info.name, target.dtype, info.torch_threads)
+
+    tables: dict[str, Table] = {}
+    tables.update(measure_target(target, grids, timer, progress))
+    tables.update(measure_draft(target, space, grids, timer, progress))
+    tables["overhead"], notes = measure_overhead(target, space, grids, timer, tables["scorer"], progress)
+    profile = Profile(
+        hardware=info.hardware, predicted=False, device=info.to_dict(), versions=versions(info),
+        dtype=str(target.dtype).removeprefix("torch."), runtime="eager",
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command_line(),
+        target=target_info(target), space=space.to_dict(), config=cfg.to_dict(), grids=grids.to_dict(),
+        tables=tables,
+    )
+    profile.notes.extend(notes)
+    profile.wall_s = time.perf_counter() - t0
+    profile.load_avg = {"before": load_before, "after": load_average(), "cpu_cores": info.cpu_cores}
+    return profile

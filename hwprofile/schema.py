@@ -1,0 +1,126 @@
+"""The profile file: one JSON per (hardware, target), measured or predicted, same schema for both.
+
+    format          "vlm-draft-nas/hwprofile-v1"
+    hardware        canonical hardware name (a100, h200, cpu ...)
+    predicted       false: measured on `device`; true: roofline prediction, see `calibrated_from`
+    device          DeviceInfo of the measuring machine (predicted: the spec sheet's device)
+    versions        python, torch, transformers, driver
+    dtype, runtime  e.g. "float32", "eager"
+    target          name, fingerprint, dims (hidden, layers, heads, head_dim, vocab)
+    space           the search space the draft tables cover
+    config, grids   ProfileConfig and Grids as used
+    tables          name -> Table (hwprofile.tables): target_prefill, target_step, verify, draft_layer,
+                    feat_fc, draft_input, lm_head, scorer, memory_append, overhead
+    calibrated_from predicted only: the local profile and the fitted roofline ratios
+    load_avg        1-minute system load average before and after measuring (noise on shared machines)
+    spec            predicted only: the spec sheet
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from decode.errors import UserError
+from hwprofile.tables import Table
+
+FORMAT = "vlm-draft-nas/hwprofile-v1"
+
+# table name -> axes; the LatencyModel relies on exactly these
+TABLE_AXES: dict[str, tuple[str, ...]] = {
+    "target_prefill": ("ctx",),
+    "target_step": ("ctx",),
+    "verify": ("n", "ctx"),  # n = tree tokens incl. the root
+    "draft_layer": ("heads", "ffn", "cross", "n", "ctx"),  # one DraftLayer forward + its KV append
+    "feat_fc": ("f", "n"),  # project_features of n rows of f concatenated target features
+    "draft_input": ("concat", "n"),  # token embedding (+ in_fc over [embedding; feature] when concat)
+    "lm_head": ("vocab", "n"),  # model.logits: norm + head rows (vocab = target vocab: the target's own head)
+    "scorer": ("n",),  # log_softmax + top-k over n rows of target-vocab logits (tree building)
+    "memory_append": ("heads", "ctx"),  # cross layers: K/V of one new target feature into the memory
+    "overhead": ("tree_depth", "top_k"),  # Python / bookkeeping of propose + accept beyond the components
+}
+# tables a profile may lack (hand-built synthetic profiles, e.g. in nas tests): the LatencyModel counts them as 0
+OPTIONAL_TABLES = frozenset({"scorer"})
+
+
+@dataclass
+class Profile:
+    hardware: str
+    predicted: bool
+    device: dict
+    versions: dict
+    dtype: str
+    runtime: str
+    date: str
+    command: str
+    target: dict
+    space: dict
+    config: dict
+    grids: dict
+    tables: dict[str, Table]
+    wall_s: float = 0.0
+    calibrated_from: dict | None = None
+    spec: dict | None = None
+    load_avg: dict | None = None  # system load (1-min average) before / after measuring: shared machines are noisy
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def target_name(self) -> str:
+        return self.target["name"]
+
+    def check_tables(self) -> None:
+        for name, axes in TABLE_AXES.items():
+            if name not in self.tables and name in OPTIONAL_TABLES:
+                continue
+            if name not in self.tables:
+                raise UserError(f"profile lacks table '{name}'; re-run python -m hwprofile.profile")
+            if self.tables[name].axes != axes:
+                raise UserError(f"profile table '{name}' has axes {self.tables[name].axes}, expected {axes}")
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "hardware": self.hardware, "predicted": self.predicted, "device": self.device,
+            "versions": self.versions, "dtype": self.dtype, "runtime": self.runtime, "date": self.date,
+            "command": self.command, "wall_s": round(self.wall_s, 1), "target": self.target, "space": self.space,
+            "config": self.config, "grids": self.grids, "calibrated_from": self.calibrated_from, "spec": self.spec,
+            "load_avg": self.load_avg, "notes": self.notes, "tables": {k: t.to_json() for k, t in self.tables.items()},
+        }
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
+        return p
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Profile":
+        if d.get("format") != FORMAT:
+            raise UserError(f"not a hardware profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        prof = cls(
+            hardware=d["hardware"], predicted=bool(d["predicted"]), device=d["device"], versions=d["versions"],
+            dtype=d["dtype"], runtime=d["runtime"], date=d["date"], command=d.get("command", ""), target=d["target"],
+            space=d["space"], config=d["config"], grids=d["grids"],
+            tables={k: Table.from_json(v) for k, v in d["tables"].items()}, wall_s=float(d.get("wall_s", 0.0)),
+            calibrated_from=d.get("calibrated_from"), spec=d.get("spec"), load_avg=d.get("load_avg"),
+            notes=list(d.get("notes", [])),
+        )
+        prof.check_tables()
+        return prof
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"profile '{path}' does not exist; create it with python -m hwprofile.profile")
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(f"profile '{path}' is not valid JSON ({err.msg} at line {err.lineno}); re-create it") from None
+        return cls.from_json(raw)
+
+
+def default_profile_path(hardware: str, target: str, root: Path = Path("profiles")) -> Path:
+    """profiles/<hardware>-<target>.json (a target directory contributes its folder name)."""
+    name = Path(target).name if ("/" in target or target.startswith(".")) else target
+    return root / f"{hardware}-{name}.json"

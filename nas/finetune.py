@@ -1,0 +1,77 @@
+"""Optional short fine-tuning of one chosen subnet before it is exported.
+
+The simplest correct option: keep training the *supernet* with its active arch fixed to the chosen
+one, using the very losses it was trained with (supernet.unroll.subnet_losses: target KL + feature
+regression over the multi-step unroll), then extract. Only the active slices receive non-zero
+gradients; Adam without weight decay moves nothing else (zero gradient -> zero moments -> zero
+step), and everything else is dropped by `extract` anyway. Training the extracted DraftModel
+instead would need a second copy of the loss code for a plain model.
+
+Sequences: the supernet's training data without the held-out tail, so tau stays honest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from decode.arch import DraftArch
+from supernet.dataset import FeatureData
+from supernet.elastic import DraftSupernet
+from supernet.unroll import LossConfig, subnet_losses
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    steps: int
+    lr: float = 3e-4
+    unroll: int = 3
+    max_positions: int = 0  # scored positions per sequence and unroll step (0 = all; the CPU demo uses 32)
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def like_training(cls, steps: int, state: dict, lr: float = 3e-4) -> "FinetuneConfig":
+        """Unroll depth and position subsampling as the supernet was trained (its checkpoint's config)."""
+        train = state.get("config", {})
+        return cls(steps=steps, lr=lr, unroll=int(train.get("unroll", 3)),
+                   max_positions=int(train.get("max_positions", 0)), grad_clip=float(train.get("grad_clip", 1.0)))
+
+
+def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, ids: list[int],
+                    cfg: FinetuneConfig) -> dict:
+    """Train `arch`'s slices of `model` for cfg.steps sequences (one per step); -> {first_loss, last_loss, steps}."""
+    if not ids:
+        return {"steps": 0}
+    model.set_active(arch).float().train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rng = random.Random(cfg.seed)
+    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions)
+    on_gpu = model.feat_fc.weight.device.type == "cuda"
+    losses: list[float] = []
+    order: list[int] = []
+    for step in tqdm(range(cfg.steps), desc="fine-tune", unit="step", disable=None):
+        if not order:  # a fresh shuffle per epoch
+            order = rng.sample(ids, len(ids))
+        seq = data[order.pop()]
+        with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
+            loss, _ = subnet_losses(model, seq, loss_cfg, seed=cfg.seed * 1_000_003 + step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    model.eval()
+    k = max(1, len(losses) // 4)  # mean of the first / last quarter: single-sequence losses are noisy
+    out = {"steps": cfg.steps, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k}
+    logger.info("fine-tuned %s for %d steps: loss %.4f -> %.4f", arch.to_json(), cfg.steps, out["first_loss"],
+                out["last_loss"])
+    return out

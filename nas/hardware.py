@@ -1,0 +1,112 @@
+"""Which device the search designs for, and the latency profile that describes it.
+
+    --profile FILE          that profile (its hardware must match --hardware when both are given)
+    --hardware NAME         a stored profile <dir>/<NAME>-<target>.json when one exists; otherwise one is
+                            made with hwprofile: measured when NAME is this machine, else predicted
+                            (roofline from configs/hardware/NAME.yaml, calibrated on this machine)
+    neither                 NAME = this machine's canonical name (hwprofile.device.local_device)
+
+Every choice is logged; a profile of another target (fingerprints differ) is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from decode.errors import UserError
+from decode.loader import pick_device
+from decode.target import TargetModel
+from hwprofile.device import local_device
+from hwprofile.latency import LatencyModel
+from hwprofile.schema import Profile, default_profile_path
+from hwprofile.specs import known_hardware
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    hardware: str
+    path: Path
+    how: str  # given | stored | measured | predicted
+    latency: LatencyModel
+
+    def describe(self) -> dict:
+        """Identity of the profile (what a study's values depend on; not how it was found this time)."""
+        p = self.latency.profile
+        return {"hardware": self.hardware, "path": str(self.path.resolve()), "predicted": p.predicted,
+                "date": p.date, "runtime": p.runtime, "dtype": p.dtype}
+
+
+def local_hardware(device: str = "auto") -> str:
+    return local_device(pick_device(device)).hardware
+
+
+def check_hardware(name: str, local: str) -> None:
+    known = known_hardware()
+    if name != local and name not in known:
+        raise UserError(f"unknown hardware '{name}'; use one of: {', '.join(sorted(set(known) | {local}))}")
+
+
+def check_profile(profile: Profile, path: Path, target: TargetModel, hardware: str | None) -> None:
+    have = target.fingerprint().to_dict()
+    theirs = profile.target.get("fingerprint", {})
+    if theirs != have:
+        diff = ", ".join(f"{k} {theirs.get(k)!r} vs {have.get(k)!r}" for k in have if theirs.get(k) != have.get(k))
+        raise UserError(f"profile {path} is for target '{profile.target_name}', not '{target.name}' ({diff}); "
+                        "profile this target with python -m hwprofile.profile")
+    if hardware is not None and profile.hardware != hardware:
+        raise UserError(f"profile {path} describes hardware '{profile.hardware}', not '{hardware}'; drop --hardware "
+                        "or pass a profile of that device")
+
+
+def resolve_profile(target: TargetModel, hardware: str | None, profile: str | None, search_dirs: list[Path],
+                    write_dir: Path, device: str = "auto", space: str | None = None, quick: bool = False,
+                    cache_dir: str | None = None) -> ProfileChoice:
+    """The profile to search with (see the module doc); makes one through hwprofile when none is stored."""
+    local = local_hardware(device)
+    if profile is not None:
+        path = Path(profile)
+        prof = Profile.load(path)
+        check_profile(prof, path, target, hardware)
+        logger.info("hardware %s: profile %s (given, %s)", prof.hardware, path,
+                    "predicted" if prof.predicted else "measured")
+        return ProfileChoice(prof.hardware, path, "given", LatencyModel(prof))
+    hardware = hardware or local
+    check_hardware(hardware, local)
+    for d in dict.fromkeys(search_dirs):  # ordered, without repeats
+        path = default_profile_path(hardware, target.name, d)
+        if path.is_file():
+            prof = Profile.load(path)
+            check_profile(prof, path, target, hardware)
+            logger.info("hardware %s: using the stored %s profile %s", hardware,
+                           "predicted" if prof.predicted else "measured", path)
+            return ProfileChoice(hardware, path, "stored", LatencyModel(prof))
+    from hwprofile.config import ProfileConfig
+    from hwprofile.profile import run as run_profile
+
+    path = default_profile_path(hardware, target.name, write_dir)
+    predict = hardware != local
+    logger.warning("hardware %s: no stored profile of %s; %s one -> %s", hardware, target.name,
+                   f"predicting (roofline, calibrated on this {local})" if predict else "measuring", path)
+    cfg = ProfileConfig(hardware=hardware, target=target.name, device=device, space=space, out=str(path),
+                        predict=predict, quick=quick, cache_dir=cache_dir)
+    prof, path = run_profile(cfg)
+    check_profile(prof, path, target, hardware)
+    return ProfileChoice(hardware, path, "predicted" if predict else "measured", LatencyModel(prof))
+
+
+def warn_extrapolation(latency: LatencyModel, space) -> list[str]:
+    """Search-space choices outside the range the profile's draft tables were measured over (their
+    latency is extrapolated linearly); each is logged as a warning. -> the affected field names."""
+    covered = latency.profile.space or {}
+    out = []
+    for name in ("depth", "heads", "ffn", "top_k", "total_tokens"):
+        have = [v for v in covered.get(name, []) if v is not None]
+        outside = [v for v in getattr(space, name) if have and not min(have) <= v <= max(have)]
+        if outside:
+            out.append(name)
+            logger.warning("profile covers %s %s..%s; choices %s are extrapolated", name, min(have), max(have), outside)
+    return out

@@ -1,0 +1,171 @@
+"""The search objective: predicted speed-up of a draft on one device, with optional budgets and a 2nd objective.
+
+    speedup = tau * T_target_step(ctx) / (T_draft_cycle(arch, tau) + T_verify(tree tokens, ctx) + overhead)
+
+tau comes from a TauSource (default: greedy replay of the supernet's active subnet on held-out data,
+nas.acceptance), the times from a hwprofile LatencyModel (measured or predicted profile). tau is
+cached per arch (keyed by the arch JSON, tree included), so a repeated arch costs nothing; the cache
+can be seeded from the finished trials of a resumed study.
+
+Budgets (ObjectiveConfig.max_params, max_memory_mb) go to Optuna as constraints (`constraints_func`
+reads the trial's "constraints" user attribute: values <= 0 are feasible). An arch over budget is not
+replayed at all (its tau is unknown, its objective value is the speed-up at tau = 1, a lower bound)
+since the samplers rank infeasible trials below every feasible one anyway.
+
+With `pareto`, a second objective (draft parameters, minimised) makes it a multi-objective study.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import optuna
+
+from decode.arch import DraftArch
+from decode.draft_model import TargetDims
+from decode.drafts.neural import NeuralDraft
+from decode.tree import TreePolicy
+from hwprofile.latency import LatencyModel, tree_tokens
+from nas.acceptance import estimate_tau
+from nas.cost import draft_params, extra_memory
+from nas.suggest import suggest_arch
+from supernet.space import SearchSpace
+
+logger = logging.getLogger(__name__)
+
+CONSTRAINTS_ATTR = "constraints"
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    context: int | None = None  # committed tokens the speed-up is predicted at (None: the profile's default)
+    image_tokens: int = 0  # image tokens in that context (visual_keep < 1 drops some from the draft's view)
+    max_params: int | None = None  # draft parameter budget (constraint)
+    max_memory_mb: float | None = None  # extra-memory budget: draft weights + KV cache + cross memory (constraint)
+    pareto: bool = False  # second objective: draft parameters (minimised)
+    bytes_per_value: int = 4  # dtype size for the memory estimate (fp32 on CPU, 2 for bf16/fp16)
+
+    @property
+    def directions(self) -> list[str]:
+        return ["maximize", "minimize"] if self.pareto else ["maximize"]
+
+    @property
+    def constrained(self) -> bool:
+        return self.max_params is not None or self.max_memory_mb is not None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Everything the objective knows about one arch; stored as trial user attributes."""
+
+    arch: str  # DraftArch JSON
+    tau: float | None  # None: over budget, not replayed
+    speedup: float
+    cycle_ms: float
+    draft_ms: float
+    verify_ms: float
+    target_step_ms: float
+    tree_tokens: int
+    params: int
+    memory_mb: float
+    feasible: bool
+    constraints: tuple[float, ...]  # <= 0 feasible, one per budget
+
+
+TauSource = Callable[[DraftArch], float]
+
+
+class SupernetTau:
+    """tau of the supernet's subnet `arch`, replayed greedily on held-out FeatureData items."""
+
+    def __init__(self, supernet, sequences: Sequence[dict], num_layers: int):
+        self.supernet, self.sequences, self.num_layers = supernet, list(sequences), num_layers
+
+    def __call__(self, arch: DraftArch) -> float:
+        draft = NeuralDraft(self.supernet.set_active(arch), name="subnet")
+        return estimate_tau(draft, self.sequences, self.num_layers, TreePolicy(spec=arch.tree)).tau
+
+
+class TauCache:
+    """tau per arch JSON; `hits` counts the evaluations saved."""
+
+    def __init__(self, source: TauSource):
+        self.source = source
+        self.values: dict[str, float] = {}
+        self.hits = 0
+
+    def __call__(self, arch: DraftArch) -> float:
+        key = arch.to_json()
+        if key in self.values:
+            self.hits += 1
+        else:
+            self.values[key] = float(self.source(arch))
+        return self.values[key]
+
+    def seed_from(self, study: optuna.Study) -> int:
+        """Take the taus of the study's finished trials (a resumed study, another worker); -> how many."""
+        n = 0
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            arch, tau = t.user_attrs.get("arch"), t.user_attrs.get("tau")
+            if arch is not None and tau is not None and arch not in self.values:
+                self.values[arch] = float(tau)
+                n += 1
+        return n
+
+
+class SpeedupObjective:
+    """Callable for study.optimize: suggest an arch, predict its speed-up, record the details."""
+
+    def __init__(self, space: SearchSpace, entropy_layer: int | None, dims: TargetDims, latency: LatencyModel,
+                 tau: TauSource, config: ObjectiveConfig = ObjectiveConfig()):
+        self.space, self.entropy_layer, self.dims = space, entropy_layer, dims
+        self.latency, self.config = latency, config
+        self.tau = tau if isinstance(tau, TauCache) else TauCache(tau)
+
+    @property
+    def context(self) -> float:
+        return float(self.config.context if self.config.context is not None else self.latency.default_context)
+
+    def budgets(self, arch: DraftArch) -> tuple[int, float, tuple[float, ...]]:
+        """(params, extra memory MB, constraint values: budget use minus budget, <= 0 is within)."""
+        c = self.config
+        params = draft_params(arch, self.dims)
+        mem = extra_memory(arch, self.dims, self.context, c.bytes_per_value, c.image_tokens).total_mb
+        cons = []
+        if c.max_params is not None:
+            cons.append(float(params - c.max_params))
+        if c.max_memory_mb is not None:
+            cons.append(float(mem - c.max_memory_mb))
+        return params, mem, tuple(cons)
+
+    def evaluate(self, arch: DraftArch) -> Evaluation:
+        params, mem, cons = self.budgets(arch)
+        feasible = all(v <= 0 for v in cons)
+        tau = self.tau(arch) if feasible else None
+        ctx, img = self.context, self.config.image_tokens
+        lat = self.latency
+        t = 1.0 if tau is None else tau  # an over-budget arch gets the tau = 1 lower bound
+        parts = lat.breakdown(arch, accepted=t, context=ctx, image_tokens=img)  # ms per component
+        step = lat.target_step_ms(ctx)
+        return Evaluation(
+            arch=arch.to_json(), tau=tau, speedup=t * step / parts["total"], cycle_ms=parts["total"],
+            draft_ms=parts["total"] - parts["verify"], verify_ms=parts["verify"], target_step_ms=step,
+            tree_tokens=tree_tokens(arch), params=params, memory_mb=mem, feasible=feasible, constraints=cons,
+        )
+
+    def __call__(self, trial: optuna.Trial):
+        arch = suggest_arch(trial, self.space, self.entropy_layer)
+        ev = self.evaluate(arch)
+        for key, value in asdict(ev).items():
+            trial.set_user_attr(key, list(value) if isinstance(value, tuple) else value)
+        if ev.tau is not None:
+            logger.debug("trial %d: tau %.3f, cycle %.2f ms, speed-up %.3f", trial.number, ev.tau, ev.cycle_ms,
+                         ev.speedup)
+        return (ev.speedup, float(ev.params)) if self.config.pareto else ev.speedup
+
+
+def constraints_func(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
+    """Optuna's constraints hook: the values the objective stored (empty = unconstrained)."""
+    return trial.user_attrs.get(CONSTRAINTS_ATTR, [])

@@ -1,0 +1,353 @@
+"""`python -m nas.search`: hardware-aware search of the draft with the best predicted speed-up, exported.
+
+    python -m nas.search                                   # whole pipeline, demo scale, default target, this device
+    python -m nas.search --hardware h200 --supernet out/supernet-smolvlm-135m-demo/checkpoint --trials 100
+    python -m nas.search --target tiny-llava --scale smoke --trials 8 --out out/nas-smoke
+
+Each trial picks a DraftArch from the search space (Optuna define-by-run), scores the supernet's
+subnet on held-out sequences (greedy tau, replayed without the target: nas/acceptance.py), and
+predicts its cycle time on the device from a latency profile: speed-up = tau * T_step / T_cycle
+(nas/objective.py). A new study first tries an EAGLE-like default, the largest and the smallest
+draft. Trials live in an Optuna storage (default OUT/study.db, SQLite): rerunning with the same
+--study-name continues the study (--trials N more), and several processes may share one storage.
+
+Without --supernet the data, supernet, held-out data and profile come from the pipeline's cache
+folder, built first when missing (nas/pipeline.py). With --supernet, tau comes from --heldout-data,
+or else (approximately) from the last --heldout sequences of the supernet's training data. Without
+--profile a stored profile of --hardware is used, else one is measured (this device) or predicted
+(another device; roofline calibrated here).
+
+Writes OUT/trials.csv, OUT/best.csv, OUT/trials.png, OUT/summary.json and the best draft OUT/draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from decode.cli import run_cli, setup_logging
+from decode.errors import UserError
+from nas.study import SAMPLERS
+
+if TYPE_CHECKING:  # heavy imports stay inside the functions so that --help and bad flags answer at once
+    import pandas as pd
+
+    from decode.target import TargetModel
+    from nas.hardware import ProfileChoice
+    from nas.loading import HeldOut
+    from supernet.elastic import DraftSupernet
+    from supernet.space import SearchSpace
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smolvlm-135m"
+EXAMPLE_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    hardware: str | None = None  # canonical name; None: this device (or the --profile's)
+    target: str | None = None  # None: the supernet's target, or the default target
+    supernet: str | None = None  # None: the pipeline (cache folder, built when missing)
+    profile: str | None = None
+    profile_dir: str = "profiles"  # where stored profiles are looked up (and, with --supernet, new ones written)
+    space: str | None = None  # None: the supernet's own space
+    trials: int | None = None  # None: the scale's default (40 at demo scale)
+    storage: str | None = None  # None: sqlite:///OUT/study.db
+    study_name: str | None = None  # None: nas-<hardware>-<target>
+    sampler: str | None = None  # None: tpe, or nsga2 with pareto
+    out: str | None = None  # None: out/nas-<hardware>-<target>
+    seed: int = 0
+    heldout: int | None = None  # last training sequences used for tau (None: the checkpoint's val_sequences or 4)
+    heldout_data: str | None = None
+    max_params: int | None = None
+    max_memory_mb: float | None = None
+    pareto: bool = False
+    context: int | None = None
+    scale: str = "demo"
+    finetune_steps: int = 0
+    export: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: str | None = None
+
+    def check(self) -> None:
+        if self.trials is not None and self.trials < 1:
+            raise UserError(f"--trials must be at least 1, got {self.trials}")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise UserError(f"unknown sampler '{self.sampler}'; use one of: {', '.join(SAMPLERS)}")
+        for name in ("heldout", "max_params", "context"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+        if self.max_memory_mb is not None and self.max_memory_mb <= 0:
+            raise UserError(f"--max-memory-mb must be > 0, got {self.max_memory_mb}")
+        if self.finetune_steps < 0:
+            raise UserError(f"--finetune-steps must be >= 0, got {self.finetune_steps}")
+
+
+@dataclass
+class SearchResult:
+    out: Path
+    study_name: str
+    storage: str
+    trials_run: int
+    total_complete: int
+    best: dict  # the best trial's user attrs + number
+    draft: Path | None
+    table: pd.DataFrame  # the best trials
+    command: str | None
+
+
+def _json(obj) -> object:
+    """Normalised as it comes back from Optuna's storage (tuples -> lists)."""
+    return json.loads(json.dumps(obj))
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Move a finished directory into place (another worker may be exporting to the same place)."""
+    old = dest.with_name(f".{dest.name}.old{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass
+class Inputs:
+    """Everything a search reads, resolved and checked."""
+
+    target: TargetModel
+    checkpoint: str
+    supernet: DraftSupernet
+    state: dict  # the supernet checkpoint's state.json
+    space: SearchSpace
+    n_heldout: int | None  # None: tau on separate held-out data
+    held: HeldOut
+    profile: ProfileChoice
+    defaults: dict  # the scale's nas defaults
+
+
+def prepare_inputs(cfg: SearchConfig) -> Inputs:
+    """Target, supernet (from the pipeline when not given), space, held-out sequences, latency profile."""
+    from decode.loader import load_target
+    from nas import pipeline
+    from nas.hardware import check_hardware, local_hardware, resolve_profile, warn_extrapolation
+    from nas.loading import check_subspace, heldout_sequences, load_supernet, read_supernet_state
+    from supernet.space import SearchSpace
+
+    # cheap checks first: bad names fail before any model is loaded
+    if cfg.hardware is not None and cfg.profile is None:
+        check_hardware(cfg.hardware, local_hardware(cfg.device))
+    state = read_supernet_state(cfg.supernet) if cfg.supernet is not None else None
+    target_name = cfg.target or (state["target_name"] if state else DEFAULT_TARGET)
+    defaults = pipeline.nas_defaults(cfg.scale)
+    target = load_target(target_name, device=cfg.device, dtype=cfg.dtype,
+                         cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None)
+    pcfg = pipeline.PipelineConfig(target=target_name, scale=cfg.scale, space=cfg.space, device=cfg.device,
+                                   dtype=cfg.dtype, cache_dir=cfg.cache_dir)
+    ckpt, heldout_data = cfg.supernet, cfg.heldout_data
+    if ckpt is None:  # the pipeline: cached (or freshly built) data, supernet and held-out data
+        built, heldout_dir = pipeline.prepare(pcfg, target, heldout=heldout_data is None)
+        ckpt, heldout_data = str(built), heldout_data or str(heldout_dir)
+    supernet, state = load_supernet(ckpt, target)
+    space = SearchSpace.load(cfg.space) if cfg.space is not None else supernet.space
+    space.check_target(target.num_layers, target.vocab_size)
+    check_subspace(space, supernet)
+    n_heldout = cfg.heldout or int(state.get("config", {}).get("val_sequences") or defaults["heldout"])
+    held = heldout_sequences(target, supernet, state, heldout_data, n_heldout, space)
+    quick = bool(defaults["quick_profile"])
+    if cfg.profile is None and cfg.supernet is None:  # the pipeline: new profiles go to its run folder
+        choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir))
+    else:
+        choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir)], Path(cfg.profile_dir),
+                                 device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir)
+    warn_extrapolation(choice.latency, space)
+    return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults)
+
+
+def run_trials(study, objective, n_trials: int, label: str) -> None:
+    """study.optimize with a tqdm bar (tau and speed-up of the last trial)."""
+    import optuna
+    from tqdm import tqdm
+
+    with tqdm(total=n_trials, desc=label, unit="trial", disable=None) as bar:
+        def tick(study_: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            bar.update(1)
+            if trial.user_attrs.get("speedup") is not None:
+                bar.set_postfix(tau=trial.user_attrs.get("tau"), speedup=round(trial.user_attrs["speedup"], 3))
+
+        study.optimize(objective, n_trials=n_trials, callbacks=[tick])
+
+
+def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Path) -> Path:
+    """The best trial's subnet (optionally fine-tuned first) -> out/draft, written atomically."""
+    from decode.arch import DraftArch
+    from nas.export import export_draft
+
+    arch = DraftArch.from_json(best["arch"])
+    if cfg.finetune_steps:
+        from nas.finetune import FinetuneConfig, finetune_subnet
+        from supernet.dataset import FeatureData
+
+        data = FeatureData(inp.state["data"], inp.target)
+        ids = list(range(len(data) - (inp.n_heldout or 0)))  # never the held-out tail
+        ft = FinetuneConfig.like_training(cfg.finetune_steps, inp.state)
+        meta["finetune"] = finetune_subnet(inp.supernet, arch, data, ids, ft)
+    tmp = out / f".draft.tmp{os.getpid()}"
+    export_draft(inp.supernet, arch, inp.target, tmp, meta)
+    _replace_dir(tmp, out / "draft")
+    return out / "draft"
+
+
+def run_search(cfg: SearchConfig) -> SearchResult:
+    import optuna
+
+    from decode.draft_model import TargetDims
+    from nas.export import prediction_metadata
+    from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, TauCache
+    from nas.report import finished, write_report
+    from nas.study import enqueue_starting_archs, open_storage, open_study, sqlite_url
+
+    cfg.check()
+    storage = open_storage(cfg.storage) if cfg.storage is not None else None  # a bad URL fails first
+    inp = prepare_inputs(cfg)
+    target, choice, held = inp.target, inp.profile, inp.held
+    latency = choice.latency
+    image_tokens = round(sum(int(s["image_mask"].sum()) for s in held.sequences) / len(held.sequences))
+    obj_cfg = ObjectiveConfig(context=cfg.context, image_tokens=image_tokens, max_params=cfg.max_params,
+                              max_memory_mb=cfg.max_memory_mb, pareto=cfg.pareto,
+                              bytes_per_value=4 if latency.profile.dtype == "float32" else 2)
+
+    tname = Path(target.name).name
+    out = Path(cfg.out or f"out/nas-{choice.hardware}-{tname}")
+    out.mkdir(parents=True, exist_ok=True)
+    url = cfg.storage or sqlite_url(out / "study.db")
+    storage = storage or open_storage(url)
+    study_name = cfg.study_name or f"nas-{choice.hardware}-{tname}"
+    setup = _json({
+        "target": target.name, "target_fingerprint": target.fingerprint().to_dict(),
+        "supernet": str(Path(inp.checkpoint).resolve()), "supernet_step": inp.state.get("step"),
+        "heldout": held.source, "heldout_last": inp.n_heldout,
+        "hardware": choice.hardware, "profile": choice.describe(), "objective": asdict(obj_cfg),
+        "space": inp.space.to_dict(),
+    })
+    sampler = cfg.sampler or ("nsga2" if cfg.pareto else "tpe")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial otherwise; tqdm shows progress
+    study, is_new = open_study(storage, study_name, obj_cfg.directions, setup, sampler, cfg.seed, obj_cfg.constrained)
+    if is_new:
+        labels = enqueue_starting_archs(study, inp.space, inp.supernet.entropy_layer)
+        logger.info("new study '%s': first trials %s", study_name, ", ".join(labels))
+    else:
+        logger.info("continuing study '%s' (%d trials so far)", study_name, len(study.trials))
+
+    tau = TauCache(SupernetTau(inp.supernet, held.sequences, target.num_layers))
+    seeded = tau.seed_from(study)  # finished trials of this study (earlier runs, other workers) cost nothing
+    objective = SpeedupObjective(inp.space, inp.supernet.entropy_layer, TargetDims.of(target), latency, tau, obj_cfg)
+    n_trials = cfg.trials or int(inp.defaults["trials"])
+    logger.info("searching %d trials on %s (%s profile %s), context %d, %d held-out sequences%s", n_trials,
+                choice.hardware, choice.how, choice.path, objective.context, len(held.sequences),
+                f", {seeded} cached taus" if seeded else "")
+    run_trials(study, objective, n_trials, f"nas {choice.hardware}")
+
+    title = (f"{target.name} on {choice.hardware} ({'predicted' if latency.predicted else 'measured'} profile), "
+             f"study {study_name}")
+    df, table = write_report(study, out, title)
+    done = finished(df)
+    best = None
+    if not done.empty:
+        number = int(done.iloc[0]["number"])
+        best = {**next(t for t in study.get_trials(deepcopy=False) if t.number == number).user_attrs, "number": number}
+    draft = command = None
+    if best is None:
+        logger.warning("no finished trial within the budgets; nothing to export")
+    elif cfg.export:
+        meta = {**prediction_metadata(best), "hardware": choice.hardware,
+                "profile": {**choice.describe(), "how": choice.how}, "study": study_name, "trial": best["number"],
+                "storage": url, "supernet": setup["supernet"], "heldout": held.source,
+                "heldout_approximate": held.approximate, "context": objective.context, "search": asdict(cfg)}
+        draft = export_best(cfg, inp, best, meta, out)
+        command = f'python -m decode.run --target {target.name} --draft {draft} --prompt "{EXAMPLE_PROMPT}" --compare'
+    complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
+    summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
+               "draft": str(draft) if draft else None, "command": command, "tau_cache_hits": tau.hits,
+               "trials_complete": complete}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    return SearchResult(out, study_name, url, n_trials, complete, best or {}, draft, table, command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from decode.presets import preset_names
+
+    p = argparse.ArgumentParser(prog="python -m nas.search", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = SearchConfig()
+    p.add_argument("--hardware", default=None, help="a100, h100, h200, l4, rtx4090, cpu (default: this device)")
+    p.add_argument("--target", default=None, help=f"preset ({', '.join(preset_names())}) or HF model directory "
+                                                  f"(default: the supernet's, else {DEFAULT_TARGET})")
+    p.add_argument("--supernet", default=None, help="supernet checkpoint (default: the pipeline's, built if missing)")
+    p.add_argument("--profile", default=None, help="latency profile JSON (default: stored, measured or predicted)")
+    p.add_argument("--profile-dir", default=d.profile_dir, help=f"stored profiles (default: {d.profile_dir})")
+    p.add_argument("--space", default=None, help="search space YAML or name (default: the supernet's space)")
+    p.add_argument("--trials", type=int, default=None, help="trials to run now (default: 40 at demo scale)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///OUT/study.db)")
+    p.add_argument("--study-name", default=None, help="study to create or continue (default: nas-<hardware>-<target>)")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: tpe (nsga2 with --pareto)")
+    p.add_argument("--out", default=None, help="output folder (default: out/nas-<hardware>-<target>)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
+    p.add_argument("--heldout", type=int, default=None,
+                   help="tau on the last N training sequences (default: the supernet's validation count, or 4)")
+    p.add_argument("--heldout-data", default=None, help="feature data of held-out prompts for tau (preferred)")
+    p.add_argument("--max-params", type=int, default=None, help="draft parameter budget (constraint)")
+    p.add_argument("--max-memory-mb", type=float, default=None,
+                   help="extra memory budget in MB: draft weights + its KV cache and cross memory (constraint)")
+    p.add_argument("--pareto", action="store_true", help="second objective: fewer draft parameters (Pareto front)")
+    p.add_argument("--context", type=int, default=None, help="context length of the prediction (default: profile's)")
+    p.add_argument("--scale", default=d.scale, help="pipeline scale in configs/scale (default: demo)")
+    p.add_argument("--finetune-steps", type=int, default=0, help="fine-tune the best subnet before export")
+    p.add_argument("--no-export", action="store_true", help="do not export the best draft")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", help="float32|bfloat16|float16|auto")
+    p.add_argument("--cache-dir", default=None, help="cache folder (default: $XDG_CACHE_HOME/vlm-draft-nas)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log details")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    logging.getLogger("nas").setLevel(logging.INFO)
+    if args.threads < 0:
+        raise UserError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = SearchConfig(
+        hardware=args.hardware, target=args.target, supernet=args.supernet, profile=args.profile,
+        profile_dir=args.profile_dir, space=args.space, trials=args.trials, storage=args.storage,
+        study_name=args.study_name, sampler=args.sampler, out=args.out, seed=args.seed, heldout=args.heldout,
+        heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
+        pareto=args.pareto, context=args.context, scale=args.scale, finetune_steps=args.finetune_steps,
+        export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
+    res = run_search(cfg)
+    print(f"study {res.study_name} ({res.storage}): {res.trials_run} trials run, {res.total_complete} finished in all")
+    if not res.table.empty:
+        print(res.table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"report: {res.out}/trials.csv, {res.out}/best.csv, {res.out}/trials.png")
+    if res.draft is not None:
+        print(f"best draft (trial {res.best['number']}, predicted speed-up {res.best['speedup']:.3f}x, "
+              f"tau {res.best['tau']:.3f}) -> {res.draft}")
+        print(res.command)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

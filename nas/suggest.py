@@ -1,0 +1,112 @@
+"""The SearchSpace as Optuna define-by-run parameters, and the archs every new study starts with.
+
+One categorical parameter per DraftArch field, per-layer ones only for the layers that exist:
+
+    fusion                  space.fusion
+    feature_set             index into space.feature_layers (a layer *set* is one choice; indices keep
+                            the parameter plain and the "entropy" entry unresolved in the storage)
+    depth                   space.depth
+    heads_{i}, ffn_{i}      space.heads / space.ffn, for i < depth (define-by-run: a depth-1 trial has
+                            no heads_1, so the samplers never tune parameters that do not exist)
+    draft_vocab             space.draft_vocab (None = the full vocabulary)
+    visual_keep             space.visual_keep
+    tree_depth, top_k, total_tokens
+                            the tree; total_tokens is clamped to what a dynamic tree of that depth and
+                            top_k can hold, as SearchSpace does (so equal trees are equal archs)
+"""
+
+from __future__ import annotations
+
+import optuna
+
+from decode.arch import DraftArch
+from supernet.space import SearchSpace
+
+
+def max_tree_nodes(depth: int, k: int) -> int:
+    """Draft nodes an EAGLE-2 dynamic tree can hold: k at level 1, then k*k candidates per level
+    (the same bound as supernet.space and hwprofile.latency.tree_tokens)."""
+    return k + (depth - 1) * k * k
+
+
+def _median(values) -> object:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def params_to_arch(params: dict, space: SearchSpace, entropy_layer: int | None) -> DraftArch:
+    """A complete parameter dict (as a trial holds it) -> its DraftArch."""
+    depth = int(params["depth"])
+    td, k = int(params["tree_depth"]), int(params["top_k"])
+    return DraftArch(
+        fusion=params["fusion"],
+        feature_layers=space.resolve_layers(space.feature_layers[int(params["feature_set"])], entropy_layer),
+        depth=depth,
+        heads=tuple(int(params[f"heads_{i}"]) for i in range(depth)),
+        ffn=tuple(int(params[f"ffn_{i}"]) for i in range(depth)),
+        draft_vocab=params["draft_vocab"],
+        visual_keep=float(params["visual_keep"]),
+        tree_depth=td, top_k=k, total_tokens=min(int(params["total_tokens"]), max_tree_nodes(td, k)),
+    )
+
+
+def suggest_arch(trial: optuna.Trial, space: SearchSpace, entropy_layer: int | None) -> DraftArch:
+    """Sample one arch through the trial (define-by-run)."""
+    p: dict = {
+        "fusion": trial.suggest_categorical("fusion", list(space.fusion)),
+        "feature_set": trial.suggest_categorical("feature_set", list(range(len(space.feature_layers)))),
+        "depth": trial.suggest_categorical("depth", list(space.depth)),
+    }
+    for i in range(int(p["depth"])):
+        p[f"heads_{i}"] = trial.suggest_categorical(f"heads_{i}", list(space.heads))
+        p[f"ffn_{i}"] = trial.suggest_categorical(f"ffn_{i}", list(space.ffn))
+    for name in ("draft_vocab", "visual_keep", "tree_depth", "top_k", "total_tokens"):
+        p[name] = trial.suggest_categorical(name, list(getattr(space, name)))
+    return params_to_arch(p, space, entropy_layer)
+
+
+def arch_to_params(arch: DraftArch, space: SearchSpace, entropy_layer: int | None) -> dict:
+    """The parameter dict that reproduces `arch` (for enqueue_trial); ValueError if the space lacks it."""
+    sets = [i for i, s in enumerate(space.feature_layers)
+            if _resolvable(s, entropy_layer) and space.resolve_layers(s, entropy_layer) == arch.feature_layers]
+    totals = [t for t in space.total_tokens if min(t, max_tree_nodes(arch.tree_depth, arch.top_k)) == arch.total_tokens]
+    if not sets or not totals:
+        raise ValueError(f"arch {arch.to_json()} is not in search space '{space.name}'")
+    p: dict = {"fusion": arch.fusion, "feature_set": sets[0], "depth": arch.depth}
+    for i in range(arch.depth):
+        p[f"heads_{i}"], p[f"ffn_{i}"] = arch.heads[i], arch.ffn[i]
+    p.update(draft_vocab=arch.draft_vocab, visual_keep=arch.visual_keep, tree_depth=arch.tree_depth,
+             top_k=arch.top_k, total_tokens=totals[0])
+    return p
+
+
+def _resolvable(layer_set: tuple, entropy_layer: int | None) -> bool:
+    return "entropy" not in layer_set or entropy_layer is not None
+
+
+def eagle_like(space: SearchSpace, entropy_layer: int | None) -> DraftArch:
+    """The EAGLE-1/2 draft as far as the space allows: concat fusion over the last hidden state, one layer
+    of the largest heads/FFN, full vocabulary, every image token, a mid-sized tree (median choices)."""
+    last = [i for i, s in enumerate(space.feature_layers) if tuple(s) == (-1,)]
+    p: dict = {
+        "fusion": "concat" if "concat" in space.fusion else space.fusion[0],
+        "feature_set": last[0] if last else 0,
+        "depth": 1 if 1 in space.depth else min(space.depth),
+        "draft_vocab": None if None in space.draft_vocab else max(space.draft_vocab),
+        "visual_keep": 1.0 if 1.0 in space.visual_keep else max(space.visual_keep),
+        "tree_depth": _median(space.tree_depth), "top_k": _median(space.top_k),
+        "total_tokens": _median(space.total_tokens),
+    }
+    for i in range(p["depth"]):
+        p[f"heads_{i}"], p[f"ffn_{i}"] = max(space.heads), max(space.ffn)
+    return params_to_arch(p, space, entropy_layer)
+
+
+def starting_archs(space: SearchSpace, entropy_layer: int | None) -> list[tuple[str, DraftArch]]:
+    """(label, arch) enqueued first in a new study: EAGLE-like default, largest, smallest (duplicates dropped)."""
+    out: list[tuple[str, DraftArch]] = []
+    for label, arch in (("eagle-like", eagle_like(space, entropy_layer)), ("largest", space.largest(entropy_layer)),
+                        ("smallest", space.smallest(entropy_layer))):
+        if all(arch != a for _, a in out):
+            out.append((label, arch))
+    return out

@@ -1,0 +1,158 @@
+"""The speed-up objective on SYNTHETIC latency profiles with fixed taus (no supernet, no timing).
+
+Two hand-built profiles of the tiny space's shapes (hidden 64, vocab 276):
+    cpu-like   drafting is expensive (layers, LM head rows) and verify cost grows with the tree
+    gpu-like   verify is nearly free up to 64 tokens (launch-bound), draft components cost little
+The objective must prefer the cheap draft on the first and the bigger, deeper tree on the second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import optuna
+import pytest
+
+from decode.arch import DraftArch
+from decode.draft_model import TargetDims
+from hwprofile.latency import LatencyModel, tree_tokens
+from hwprofile.schema import Profile
+from hwprofile.tables import Table
+from nas.cost import draft_params, extra_memory
+from nas.objective import ObjectiveConfig, SpeedupObjective, TauCache, constraints_func
+from nas.suggest import arch_to_params, eagle_like, params_to_arch, starting_archs
+from supernet.space import SearchSpace
+
+DIMS = TargetDims(hidden_size=64, head_dim=16, vocab_size=276, num_layers=2)
+SPACE = SearchSpace.load("tiny")
+ENTROPY = 1
+
+
+def _table(axes: tuple[str, ...], grid: dict[str, list[int]], fn) -> Table:
+    t = Table(axes)
+    for point in itertools.product(*(grid[a] for a in axes)):
+        t.put(point, float(fn(**dict(zip(axes, point)))))
+    return t
+
+
+def synthetic_profile(step: float, verify, layer, head, overhead: float) -> LatencyModel:
+    """A complete profile whose tables follow the given formulas (ms)."""
+    g = {"ctx": [32, 256], "n": [1, 2, 4, 8, 16, 32, 64], "heads": [1, 4], "ffn": [32, 128], "cross": [0, 1],
+         "f": [1, 2], "concat": [0, 1], "vocab": [64, 276], "tree_depth": [1, 3], "top_k": [1, 3]}
+    tables = {
+        "target_prefill": _table(("ctx",), g, lambda ctx: step * 4),
+        "target_step": _table(("ctx",), g, lambda ctx: step),
+        "verify": _table(("n", "ctx"), g, lambda n, ctx: verify(n)),
+        "draft_layer": _table(("heads", "ffn", "cross", "n", "ctx"), g, layer),
+        "feat_fc": _table(("f", "n"), g, lambda f, n: 0.05 * f),
+        "draft_input": _table(("concat", "n"), g, lambda concat, n: 0.05 * (1 + concat)),
+        "lm_head": _table(("vocab", "n"), g, head),
+        "memory_append": _table(("heads", "ctx"), g, lambda heads, ctx: 0.02),
+        "overhead": _table(("tree_depth", "top_k"), g, lambda tree_depth, top_k: overhead * tree_depth),
+    }
+    prof = Profile(hardware="synthetic", predicted=True, device={}, versions={}, dtype="float32", runtime="eager",
+                   date="", command="", target={"name": "tiny-llava", "vocab_size": 276, "fingerprint": {}},
+                   space=SPACE.to_dict(), config={}, grids={"default_context": 128}, tables=tables)
+    return LatencyModel(prof)
+
+
+# drafting expensive: each layer costs ~ a third of a target step, the LM head scales with rows x vocab,
+# and every verified token adds 12% of a step
+CPU = synthetic_profile(step=10.0, verify=lambda n: 10.0 + 1.2 * (n - 1),
+                        layer=lambda heads, ffn, cross, n, ctx: (1 + heads / 2 + ffn / 64) * (1 + n / 3) * (1 + cross),
+                        head=lambda vocab, n: 0.01 * vocab * n / 8, overhead=0.5)
+# verification nearly free: 64 tokens cost 2% more than one; the draft is small next to a target step
+GPU = synthetic_profile(step=24.0, verify=lambda n: 24.0 + 0.01 * n,
+                        layer=lambda heads, ffn, cross, n, ctx: 0.4 + 0.1 * cross,
+                        head=lambda vocab, n: 0.1, overhead=0.1)
+
+CHEAP = DraftArch(fusion="concat", feature_layers=(-1,), depth=1, heads=(1,), ffn=(32,), draft_vocab=64,
+                  tree_depth=1, top_k=2, total_tokens=2)
+BIG_TREE = DraftArch(fusion="concat", feature_layers=(-1,), depth=2, heads=(4, 4), ffn=(128, 128), draft_vocab=None,
+                     tree_depth=3, top_k=3, total_tokens=8)
+
+
+def synthetic_tau(arch: DraftArch) -> float:
+    """More tree and a bigger draft accept more, with diminishing returns (what trained drafts show)."""
+    size = sum(h * f for h, f in zip(arch.heads, arch.ffn)) / (4 * 128)  # 0 .. 2
+    per_level = 0.45 + 0.1 * min(size, 1.0) + 0.05 * (arch.top_k - 1)
+    return 1.0 + sum(per_level**d for d in range(1, arch.tree_depth + 1)) * min(1.0, tree_tokens(arch) / 6)
+
+
+def _objective(latency, tau=synthetic_tau, **cfg) -> SpeedupObjective:
+    return SpeedupObjective(SPACE, ENTROPY, DIMS, latency, tau, ObjectiveConfig(**cfg))
+
+
+def test_cheap_draft_wins_when_drafting_is_expensive():
+    obj = _objective(CPU)
+    cheap, big = obj.evaluate(CHEAP), obj.evaluate(BIG_TREE)
+    assert big.tau > cheap.tau  # the big draft does accept more ...
+    assert cheap.speedup > big.speedup  # ... but costs more than it saves
+    assert cheap.speedup == pytest.approx(cheap.tau * 10.0 / cheap.cycle_ms)
+
+
+def test_deep_tree_wins_when_verification_is_free():
+    obj = _objective(GPU)
+    cheap, big = obj.evaluate(CHEAP), obj.evaluate(BIG_TREE)
+    assert big.speedup > cheap.speedup
+    assert big.verify_ms == pytest.approx(24.0 + 0.01 * tree_tokens(BIG_TREE))
+
+
+def _best(latency, n: int = 60) -> DraftArch:
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study.optimize(_objective(latency), n_trials=n)
+    return DraftArch.from_json(study.best_trial.user_attrs["arch"])
+
+
+def test_search_picks_different_drafts_per_device():
+    on_cpu, on_gpu = _best(CPU), _best(GPU)
+    assert tree_tokens(on_gpu) > tree_tokens(on_cpu)
+    assert on_gpu.tree_depth > on_cpu.tree_depth
+    assert draft_params(on_cpu, DIMS) < draft_params(on_gpu, DIMS)
+
+
+def test_tau_is_cached_per_arch():
+    calls = []
+    obj = _objective(GPU, tau=lambda a: calls.append(a) or 2.0)
+    for _ in range(3):
+        obj.evaluate(CHEAP)
+    obj.evaluate(BIG_TREE)
+    assert len(calls) == 2 and obj.tau.hits == 2 and isinstance(obj.tau, TauCache)
+
+
+def test_budgets_become_constraints_and_skip_the_replay():
+    calls = []
+    limit = draft_params(CHEAP, DIMS) + 1
+    obj = _objective(CPU, tau=lambda a: calls.append(a) or 2.0, max_params=limit, max_memory_mb=1000.0)
+    ok, over = obj.evaluate(CHEAP), obj.evaluate(BIG_TREE)
+    assert ok.feasible and ok.constraints[0] == -1 and ok.constraints[1] < 0
+    assert not over.feasible and over.constraints[0] > 0 and over.tau is None and len(calls) == 1
+    study = optuna.create_study(directions=["maximize", "minimize"],
+                                sampler=optuna.samplers.NSGAIISampler(seed=0, constraints_func=constraints_func))
+    study.optimize(_objective(CPU, max_params=limit, pareto=True), n_trials=8)
+    assert len(study.directions) == 2
+    for t in study.trials:
+        assert list(t.user_attrs["constraints"]) == list(constraints_func(t))
+        assert t.values[1] == t.user_attrs["params"]
+
+
+def test_extra_memory_counts_weights_kv_and_cross_memory():
+    m = extra_memory(BIG_TREE, DIMS, context=100, bytes_per_value=4)
+    assert m.weights_mb == pytest.approx(draft_params(BIG_TREE, DIMS) * 4e-6)
+    assert m.kv_mb == pytest.approx(2 * 2 * 4 * 16 * 100 * 4e-6) and m.cross_memory_mb == 0
+    cross = extra_memory(DraftArch(fusion="cross", heads=(4,), ffn=(32,)), DIMS, context=100)
+    assert cross.cross_memory_mb == cross.kv_mb > 0
+
+
+def test_space_params_round_trip():
+    rng = random.Random(0)
+    archs = [a for _, a in starting_archs(SPACE, ENTROPY)] + [SPACE.sample(rng, ENTROPY) for _ in range(30)]
+    for arch in archs:
+        assert params_to_arch(arch_to_params(arch, SPACE, ENTROPY), SPACE, ENTROPY) == arch
+    eagle = eagle_like(SPACE, ENTROPY)
+    assert (eagle.fusion, eagle.feature_layers, eagle.depth, eagle.draft_vocab, eagle.visual_keep) == \
+        ("concat", (-1,), 1, None, 1.0)
+    assert eagle.heads == (max(SPACE.heads),) and eagle.ffn == (max(SPACE.ffn),)
+    assert [label for label, _ in starting_archs(SPACE, ENTROPY)] == ["eagle-like", "largest", "smallest"]

@@ -1,0 +1,196 @@
+"""nas.search / nas.export on a tiny target with a briefly trained tiny supernet and a quick CPU profile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from conftest import tiny_prompt, tiny_target
+from decode.drafts import make_draft
+from decode.errors import UserError
+from decode.speculative import speculative_generate
+from decode.vanilla import vanilla_generate
+from hwprofile.config import ProfileConfig
+from hwprofile.measure import measure_profile
+from nas.cost import draft_params
+from nas.export import main as export_main
+from nas.loading import load_supernet
+from nas.search import SearchConfig, run_search
+from supernet.data import DataConfig, build_data
+from supernet.train import TrainConfig, train
+
+TARGET = "tiny-llava"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Regenerated data of short prompts, a supernet trained 30 steps, a quick measured CPU profile."""
+    root = tmp_path_factory.mktemp("nas")
+    target = tiny_target(TARGET)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # short prompts (the tiny tokenizer spends ~1 token per character) so that answers fit max_len
+        build_data(DataConfig(target=TARGET, prompts="sharegpt:6", space="tiny", mode="regenerate", max_len=160,
+                              max_new_tokens=24, max_prompt_chars=130, topk=16, out=str(root / "data")), target=target)
+        train(TrainConfig(target=TARGET, data=str(root / "data"), out=str(root / "sn"), space="tiny", steps=30,
+                          lr=3e-3, warmup=3, unroll=2, n_random=1, ckpt_every=30, reorder_at=10, val_sequences=2,
+                          device="cpu", dtype="float32"))
+        profile = measure_profile(ProfileConfig(target=TARGET, space="tiny", quick=True, plot=False), target=target,
+                                  progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    path = profile.save(root / "profiles" / "cpu-tiny-llava.json")
+    return {"root": root, "supernet": str(root / "sn" / "checkpoint"), "profile": str(path)}
+
+
+def _cfg(assets, out, **kw) -> SearchConfig:
+    base = dict(target=TARGET, supernet=assets["supernet"], profile=assets["profile"], out=str(out), trials=2,
+                heldout=2, device="cpu", dtype="float32", study_name="s")
+    return SearchConfig(**{**base, **kw})
+
+
+def _complete(storage: str, name: str) -> list[int]:
+    study = optuna.load_study(study_name=name, storage=storage)
+    return sorted(t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE)
+
+
+def test_study_runs_resumes_and_exports(assets, tmp_path):
+    res = run_search(_cfg(assets, tmp_path / "run"))
+    assert res.trials_run == 2 and res.total_complete == 2
+    study = optuna.load_study(study_name="s", storage=res.storage)
+    first = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert [t.user_attrs.get("start") for t in study.trials] == ["eagle-like", "largest", "smallest"]  # enqueued
+    assert study.trials[2].state == optuna.trial.TrialState.WAITING  # the third waits for the next run
+    for t in first:
+        a = t.user_attrs
+        assert a["tau"] >= 1.0 and a["cycle_ms"] > 0 and a["params"] > 0 and a["feasible"]
+        assert a["speedup"] == pytest.approx(a["tau"] * a["target_step_ms"] / a["cycle_ms"])
+    # the same storage and name again: 2 more trials, nothing lost, the third queued arch comes next
+    res2 = run_search(_cfg(assets, tmp_path / "run"))
+    assert _complete(res2.storage, "s") == [0, 1, 2, 3]
+    assert optuna.load_study(study_name="s", storage=res.storage).trials[2].user_attrs["start"] == "smallest"
+    assert res2.best["speedup"] == max(t.value for t in optuna.load_study(study_name="s", storage=res.storage).trials
+                                       if t.state == optuna.trial.TrialState.COMPLETE)
+    for name in ("trials.csv", "best.csv", "trials.png", "summary.json"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+    assert "python -m decode.run --target tiny-llava --draft" in res2.command and "--compare" in res2.command
+
+    # the exported draft: standalone, on the right target, lossless
+    cfg = json.loads((res2.draft / "draft_config.json").read_text())
+    meta = cfg["metadata"]
+    assert meta["hardware"] == "cpu" and meta["study"] == "s" and meta["trial"] == res2.best["number"]
+    assert meta["predicted"]["tau"] == res2.best["tau"] and meta["profile"]["path"].endswith("cpu-tiny-llava.json")
+    target = tiny_target(TARGET)
+    draft = make_draft(str(res2.draft), target)
+    prompt = tiny_prompt(target)
+    assert speculative_generate(target, draft, prompt, 20).tokens == vanilla_generate(target, prompt, 20).tokens
+
+
+def test_two_workers_share_one_study(assets, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nas.search", "--target", TARGET, "--supernet", assets["supernet"], "--profile",
+           assets["profile"], "--heldout", "2", "--trials", "2", "--storage", storage, "--study-name", "w",
+           "--device", "cpu", "--threads", "1", "--no-export"]
+    procs = [subprocess.Popen(cmd + ["--out", str(tmp_path / f"w{i}")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert _complete(storage, "w") == [0, 1, 2, 3]  # 4 distinct trials, 2 per worker
+
+
+def test_export_cli_trial_and_arch(assets, tmp_path):
+    res = run_search(_cfg(assets, tmp_path / "run", trials=1, study_name="e", export=False))
+    assert res.draft is None
+    out = tmp_path / "ft"
+    assert export_main(["--supernet", assets["supernet"], "--trial", "0", "--storage", res.storage, "--out", str(out),
+                        "--finetune-steps", "3", "--device", "cpu"]) == 0
+    meta = json.loads((out / "draft_config.json").read_text())["metadata"]
+    assert meta["trial"] == 0 and meta["study"] == "e" and meta["finetune"]["steps"] == 3
+    assert meta["setup"]["hardware"] == "cpu" and meta["predicted"]["speedup"] > 0
+    target = tiny_target(TARGET)
+    prompt = tiny_prompt(target)
+    draft = make_draft(str(out), target)
+    assert speculative_generate(target, draft, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
+
+    arch = {"fusion": "cross", "feature_layers": [1, -1], "depth": 2, "heads": [2, 1], "ffn": [64, 32],
+            "draft_vocab": 64, "visual_keep": 0.5, "tree_depth": 2, "top_k": 2, "total_tokens": 4}
+    assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "a"),
+                        "--device", "cpu"]) == 0
+    draft = make_draft(str(tmp_path / "a"), target)
+    assert draft.model.arch.to_dict() == arch
+    assert sum(p.numel() for p in draft.model.parameters()) == draft_params(draft.model.arch, draft.model.dims)
+    assert speculative_generate(target, draft, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
+
+
+def test_param_count_matches_extracted_models(assets):
+    target = tiny_target(TARGET)
+    supernet, _ = load_supernet(assets["supernet"], target)
+    e = supernet.entropy_layer
+    for arch in (supernet.space.largest(e), supernet.space.smallest(e)):
+        sub = supernet.extract(arch)
+        assert sum(p.numel() for p in sub.parameters()) == draft_params(arch, sub.dims)
+
+
+def test_bad_input_is_one_line(assets, tmp_path):
+    cases = [
+        (dict(profile=None, hardware="tpu9"), "unknown hardware 'tpu9'; use one of: a100"),
+        (dict(trials=0), "--trials must be at least 1"),
+        (dict(storage=f"sqlite:///{tmp_path}/missing/x.db"), "cannot open storage"),
+        (dict(storage="nosuchdb://x"), "cannot open storage"),
+        (dict(target="tiny-llama"), "was trained for target 'tiny-llava', not 'tiny-llama'"),
+        (dict(hardware="h200"), "describes hardware 'cpu', not 'h200'"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(UserError, match=msg.replace("(", r"\(").replace("[", r"\[")):
+            run_search(_cfg(assets, tmp_path / "bad", **kw))
+    other = json.loads(Path(assets["profile"]).read_text())
+    other["target"]["fingerprint"] = {**other["target"]["fingerprint"], "weights_digest": "0" * 16}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(UserError, match="profile .* is for target"):
+        run_search(_cfg(assets, tmp_path / "bad", profile=str(tmp_path / "other.json")))
+    space = (ROOT / "configs" / "space" / "tiny.yaml").read_text().replace("heads: [1, 2, 4]", "heads: []")
+    (tmp_path / "empty.yaml").write_text(space)
+    with pytest.raises(UserError, match="'heads' has no choices"):
+        run_search(_cfg(assets, tmp_path / "bad", space=str(tmp_path / "empty.yaml")))
+    with pytest.raises(UserError, match="other settings"):  # a study keeps what its values mean
+        run_search(_cfg(assets, tmp_path / "bad", study_name="x"))
+        run_search(replace(_cfg(assets, tmp_path / "bad", study_name="x"), context=40))
+    r = subprocess.run([sys.executable, "-m", "nas.search", "--trials", "0"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --trials must be at least 1, got 0"]
+
+
+def test_pipeline_builds_once_then_reuses(tmp_path):
+    """No --supernet: data, supernet, held-out data and profile are built under the cache, then reused."""
+    cfg = SearchConfig(target=TARGET, scale="smoke", cache_dir=str(tmp_path / "cache"),
+                       profile_dir=str(tmp_path / "profiles"), out=str(tmp_path / "out"), trials=2, device="cpu",
+                       dtype="float32")
+    res = run_search(cfg)
+    run = tmp_path / "cache" / "runs" / "tiny-llava-smoke"
+    made = [run / "data" / "manifest.json", run / "supernet" / "checkpoint" / "state.json",
+            run / "heldout" / "manifest.json", run / "profiles" / "cpu-tiny-llava.json"]
+    stamps = [p.stat().st_mtime_ns for p in made]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "split heldout" in summary["setup"]["heldout"] and summary["setup"]["heldout_last"] is None
+    assert json.loads((run / "heldout" / "manifest.json").read_text())["config"]["mode"] == "regenerate"
+    res2 = run_search(replace(cfg, finetune_steps=2))
+    assert [p.stat().st_mtime_ns for p in made] == stamps  # every stage skipped
+    assert res2.total_complete == 4 and res.study_name == res2.study_name == "nas-cpu-tiny-llava"
+    meta = json.loads((res2.draft / "draft_config.json").read_text())["metadata"]
+    assert meta["finetune"]["steps"] == 2 and meta["profile"]["how"] == "stored"
+    target = tiny_target(TARGET)
+    prompt = tiny_prompt(target)
+    draft = make_draft(str(res2.draft), target)
+    assert speculative_generate(target, draft, prompt, 12).tokens == vanilla_generate(target, prompt, 12).tokens
