@@ -108,11 +108,18 @@ class DraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, H) draft hidden -> (n, V_target) logits; tokens outside the draft vocab get -inf."""
         z = self.norm(hidden)
-        if not self.own_head:
+        rows = self.head_rows()
+        if rows is None:
             return self._shared[1](z).float()
+        weight, d2t = rows
         out = torch.full((z.shape[0], self.dims.vocab_size), -float("inf"), device=z.device)
-        out[:, self.d2t] = self.head(z).float()
+        out[:, d2t] = F.linear(z, weight).float()
         return out
+
+    def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(head weight (Vd, H), draft-to-target ids (Vd,)) of a hot-token head; None = the target's head.
+        The supernet overrides it with the leading rows of its active draft_vocab."""
+        return (self.head.weight, self.d2t) if self.own_head else None
 
     def project_features(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, F*H) concatenated target features -> (n, H)."""

@@ -156,14 +156,11 @@ class DraftSupernet(DraftModel):
         w = self.feat_fc.weight[:, self._cols.to(self.feat_fc.weight.device)]
         return F.linear(feats.to(w.dtype), w, self.feat_fc.bias)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         vd = self.active.draft_vocab
-        z = self.norm(hidden)
         if vd is None or vd >= self.dims.vocab_size:
-            return self._shared[1](z).float()
-        out = torch.full((z.shape[0], self.dims.vocab_size), -float("inf"), device=z.device)
-        out[:, self.d2t[:vd]] = F.linear(z, self.head.weight[:vd]).float()
-        return out
+            return None
+        return self.head.weight[:vd], self.d2t[:vd]
 
     # ------------------------------------------------------------------ importance ordering
     @torch.no_grad()
