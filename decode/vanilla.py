@@ -55,6 +55,7 @@ def vanilla_generate(
     check_max_new_tokens(max_new_tokens)
     gen = make_generator(sampling, target.device)
     eos = target.eos_token_ids
+    _sync(target.device)  # GPU work queued before this call must not be timed as this prefill
     t0 = time.perf_counter()
     logits = target.prefill(prompt).logits[-1]  # (V,)
     token = sample_token(logits, sampling, gen)

@@ -101,28 +101,50 @@ def system_memory_bytes() -> int:
         return 0
 
 
-def _nvml_fields(index: int) -> dict:
-    """Fields NVML knows; {} when there is no NVML library or no such GPU."""
-    import pynvml
+def _nvml_handle(pynvml, index: int, uuid: str | None):
+    """NVML handle of torch's CUDA device `index`.
 
+    Under CUDA_VISIBLE_DEVICES, torch's index is not NVML's (NVML always sees every GPU), so the
+    device is looked up by its UUID when torch reports one; the index is the fallback.
+    """
+    if uuid:
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+        except pynvml.NVMLError as err:
+            logger.debug("NVML has no GPU with UUID %s (%s); using index %d", uuid, err, index)
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _nvml_fields(index: int, uuid: str | None = None) -> dict:
+    """Fields NVML knows; {} when there is no NVML library (or no pynvml) or no such GPU.
+
+    Every field is read on its own: boards differ in what they support (power limit on laptops,
+    memory info on unified-memory parts), and a missing field must only leave that field None.
+    """
+    try:
+        import pynvml
+    except ImportError:  # nvidia-ml-py is optional at run time: torch alone still names the GPU
+        logger.debug("pynvml not installed; device identity from torch only")
+        return {}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:  # LibraryNotFound / DriverNotLoaded on machines without a GPU
         logger.debug("NVML unavailable: %s", err)
         return {}
+
+    def text(value) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
     try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        name = pynvml.nvmlDeviceGetName(h)
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        out = {
-            "name": name.decode() if isinstance(name, bytes) else name,
-            "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
-            "driver": driver.decode() if isinstance(driver, bytes) else driver,
-        }
-        for key, fn in (("sm_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                        ("mem_clock_mhz", lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)),
+        h = _nvml_handle(pynvml, index, uuid)
+        out = {}
+        for key, fn in (("name", lambda: text(pynvml.nvmlDeviceGetName(h))),
+                        ("memory_bytes", lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).total)),
+                        ("driver", lambda: text(pynvml.nvmlSystemGetDriverVersion())),
+                        ("sm_clock_mhz", lambda: int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM))),
+                        ("mem_clock_mhz", lambda: int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM))),
                         ("power_limit_w", lambda: pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0)):
-            try:  # some fields are not supported on every board (e.g. power limit on laptops)
+            try:
                 out[key] = fn()
             except pynvml.NVMLError as err:
                 logger.debug("NVML field %s unavailable: %s", key, err)
@@ -146,7 +168,8 @@ def local_device(device: torch.device | str | None = None) -> DeviceInfo:
                           **common)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    nvml = _nvml_fields(index)
+    uuid = getattr(props, "uuid", None)  # torch >= 2.0 on CUDA builds
+    nvml = _nvml_fields(index, str(uuid) if uuid is not None else None)
     name = nvml.get("name", props.name)
     memory = int(nvml.get("memory_bytes", props.total_memory))
     hardware = canonical_name(name)

@@ -13,15 +13,25 @@ replayed at all (its tau is unknown, its objective value is the speed-up at tau 
 since the samplers rank infeasible trials below every feasible one anyway.
 
 With `pareto`, a second objective (draft parameters, minimised) makes it a multi-objective study.
+
+Trees (ObjectiveConfig.tree): with "best" (the default) the sampler picks the draft and top_k, and the
+tree depth and total_tokens are then chosen *for this device*: every (depth, total_tokens) pair of the
+space is scored from one sweep (nas/treesweep.py, exact) and the pair with the best predicted speed-up
+is kept. Verification that is almost free (a launch-bound GPU) then gets deep, wide trees; a device
+where every verified token costs gets small ones. With "sampled" the sampler picks the tree too. The
+enqueued starting archs (EAGLE-like default, largest, smallest) keep their own trees as references.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import optuna
+from safetensors import SafetensorError
 
 from decode.arch import DraftArch
 from decode.draft_model import TargetDims
@@ -30,12 +40,14 @@ from decode.tree import TreePolicy
 from hwprofile.latency import LatencyModel, tree_tokens
 from nas.acceptance import estimate_tau
 from nas.cost import draft_params, extra_memory
-from nas.suggest import suggest_arch
+from nas.suggest import max_tree_nodes, suggest_arch
+from nas.treesweep import TreeSweep
 from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 
 CONSTRAINTS_ATTR = "constraints"
+TREE_MODES = ("best", "sampled")
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,11 @@ class ObjectiveConfig:
     max_memory_mb: float | None = None  # extra-memory budget: draft weights + KV cache + cross memory (constraint)
     pareto: bool = False  # second objective: draft parameters (minimised)
     bytes_per_value: int = 4  # dtype size for the memory estimate (fp32 on CPU, 2 for bf16/fp16)
+    tree: str = "best"  # best: depth/total_tokens chosen per arch for the device; sampled: by the sampler
+
+    def __post_init__(self) -> None:
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
 
     @property
     def directions(self) -> list[str]:
@@ -86,6 +103,51 @@ class SupernetTau:
     def __call__(self, arch: DraftArch) -> float:
         draft = NeuralDraft(self.supernet.set_active(arch), name="subnet")
         return estimate_tau(draft, self.sequences, self.num_layers, TreePolicy(spec=arch.tree)).tau
+
+
+class SweepTau:
+    """Like SupernetTau, but one sweep per (subnet, top_k) serves every tree depth and total_tokens.
+
+    The sweeps are kept in memory and, with `store` (a folder), on disk: sweeps do not depend on the
+    hardware, so searches for other devices, resumed searches and other workers on the same supernet
+    and held-out data reuse them. `store_key` must name those two inputs (a different key, other files).
+    """
+
+    def __init__(self, supernet, sequences: Sequence[dict], num_layers: int, max_depth: int,
+                 store: str | Path | None = None, store_key: str = ""):
+        self.supernet, self.sequences, self.num_layers = supernet, list(sequences), num_layers
+        self.max_depth = max_depth
+        self.store, self.store_key = (Path(store) if store is not None else None), store_key
+        self.sweeps: dict[str, TreeSweep] = {}
+        self.loaded = 0
+
+    def _file(self, key: str) -> Path | None:
+        if self.store is None:
+            return None
+        digest = hashlib.sha256(f"{self.store_key}\n{key}".encode()).hexdigest()[:24]
+        return self.store / f"sweep-{digest}.safetensors"
+
+    def sweep(self, arch: DraftArch) -> TreeSweep:
+        depth = max(self.max_depth, arch.tree_depth)
+        key = replace(arch, tree_depth=depth, total_tokens=1).to_json()  # the draft and top_k, not the tree
+        sw = self.sweeps.get(key)
+        file = self._file(key)
+        if sw is None and file is not None and file.is_file():
+            try:
+                sw = TreeSweep.load(file)
+                self.loaded += 1
+            except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # damaged: recompute
+                logger.warning("ignoring sweep file %s (%s)", file, err)
+        if sw is None or sw.max_depth < arch.tree_depth:
+            draft = NeuralDraft(self.supernet.set_active(arch), name="subnet")
+            sw = TreeSweep.run(draft, self.sequences, self.num_layers, arch.top_k, depth)
+            if file is not None:
+                sw.save(file)
+        self.sweeps[key] = sw
+        return sw
+
+    def __call__(self, arch: DraftArch) -> float:
+        return self.sweep(arch).acceptance(arch.tree_depth, arch.total_tokens).tau
 
 
 class TauCache:
@@ -155,11 +217,32 @@ class SpeedupObjective:
             tree_tokens=tree_tokens(arch), params=params, memory_mb=mem, feasible=feasible, constraints=cons,
         )
 
+    def tree_variants(self, arch: DraftArch) -> list[DraftArch]:
+        """arch with every (tree depth, total_tokens) of the space at its top_k (duplicates dropped)."""
+        out: list[DraftArch] = []
+        for depth in self.space.tree_depth:
+            for total in self.space.total_tokens:
+                v = replace(arch, tree_depth=depth, total_tokens=min(total, max_tree_nodes(depth, arch.top_k)))
+                if v not in out:
+                    out.append(v)
+        return out
+
+    def best_tree(self, arch: DraftArch) -> Evaluation:
+        """The evaluation of the tree variant of `arch` with the best predicted speed-up (ties: fewer tree
+        tokens, then shallower); an over-budget arch is returned as is (it is not replayed)."""
+        evals = [self.evaluate(v) for v in self.tree_variants(arch)]
+        feasible = [e for e in evals if e.feasible]
+        if not feasible:
+            return self.evaluate(arch)
+        return max(feasible, key=lambda e: (e.speedup, -e.tree_tokens, -DraftArch.from_json(e.arch).tree_depth))
+
     def __call__(self, trial: optuna.Trial):
-        arch = suggest_arch(trial, self.space, self.entropy_layer)
-        ev = self.evaluate(arch)
+        choose_tree = self.config.tree == "best" and "start" not in trial.user_attrs  # enqueued archs keep theirs
+        arch = suggest_arch(trial, self.space, self.entropy_layer, tree=not choose_tree)
+        ev = self.best_tree(arch) if choose_tree else self.evaluate(arch)
         for key, value in asdict(ev).items():
             trial.set_user_attr(key, list(value) if isinstance(value, tuple) else value)
+        trial.set_user_attr("tree_chosen", choose_tree)
         if ev.tau is not None:
             logger.debug("trial %d: tau %.3f, cycle %.2f ms, speed-up %.3f", trial.number, ev.tau, ev.cycle_ms,
                          ev.speedup)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from decode.cli import run_cli, setup_logging
 from decode.errors import UserError
+from nas.objective import TREE_MODES
 from nas.study import SAMPLERS
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions so that --help and bad flags answer at once
@@ -69,6 +70,8 @@ class SearchConfig:
     max_params: int | None = None
     max_memory_mb: float | None = None
     pareto: bool = False
+    tree: str = "best"  # best: tree depth/total_tokens chosen per arch for the device; sampled: by the sampler
+    sweep_cache: str | None = None  # stored tree sweeps (None: tau-sweeps/ beside the supernet; "none": off)
     context: int | None = None
     scale: str = "demo"
     finetune_steps: int = 0
@@ -80,6 +83,8 @@ class SearchConfig:
     def check(self) -> None:
         if self.trials is not None and self.trials < 1:
             raise UserError(f"--trials must be at least 1, got {self.trials}")
+        if self.tree not in TREE_MODES:
+            raise UserError(f"unknown tree mode '{self.tree}'; use one of: {', '.join(TREE_MODES)}")
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise UserError(f"unknown sampler '{self.sampler}'; use one of: {', '.join(SAMPLERS)}")
         for name in ("heldout", "max_params", "context"):
@@ -206,12 +211,40 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
     return out / "draft"
 
 
+def sweep_key(inp: Inputs) -> str:
+    """What the stored sweeps depend on: the supernet's weights (its state and weight file) and the held-out
+    sequences (their tokens), not the hardware."""
+    import hashlib
+
+    h = hashlib.sha256(json.dumps(inp.state, sort_keys=True, default=str).encode())
+    for f in sorted(Path(inp.checkpoint).glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for s in inp.held.sequences:
+        h.update(s["input_ids"].numpy().tobytes())
+        h.update(str(int(s["prompt_len"])).encode())
+    return h.hexdigest()
+
+
+def sweep_store(cfg: SearchConfig, inp: Inputs) -> Path | None:
+    """--sweep-cache, else tau-sweeps/ beside the supernet checkpoint; None (memory only) when not writable."""
+    if cfg.sweep_cache == "none":
+        return None
+    store = Path(cfg.sweep_cache) if cfg.sweep_cache else Path(inp.checkpoint).resolve().parent / "tau-sweeps"
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        logger.warning("cannot write tree sweeps to %s (%s); keeping them in memory only", store, err)
+        return None
+    return store
+
+
 def run_search(cfg: SearchConfig) -> SearchResult:
     import optuna
 
     from decode.draft_model import TargetDims
     from nas.export import prediction_metadata
-    from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, TauCache
+    from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, SweepTau, TauCache
     from nas.report import finished, write_report
     from nas.study import enqueue_starting_archs, open_storage, open_study, sqlite_url
 
@@ -223,7 +256,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     image_tokens = round(sum(int(s["image_mask"].sum()) for s in held.sequences) / len(held.sequences))
     obj_cfg = ObjectiveConfig(context=cfg.context, image_tokens=image_tokens, max_params=cfg.max_params,
                               max_memory_mb=cfg.max_memory_mb, pareto=cfg.pareto,
-                              bytes_per_value=4 if latency.profile.dtype == "float32" else 2)
+                              bytes_per_value=4 if latency.profile.dtype == "float32" else 2, tree=cfg.tree)
 
     tname = Path(target.name).name
     out = Path(cfg.out or f"out/nas-{choice.hardware}-{tname}")
@@ -247,7 +280,13 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     else:
         logger.info("continuing study '%s' (%d trials so far)", study_name, len(study.trials))
 
-    tau = TauCache(SupernetTau(inp.supernet, held.sequences, target.num_layers))
+    if cfg.tree == "best":  # one sweep per (subnet, top_k) scores all its trees; kept on disk for other searches
+        store = sweep_store(cfg, inp)
+        source = SweepTau(inp.supernet, held.sequences, target.num_layers, max(inp.space.tree_depth),
+                          store=store, store_key=sweep_key(inp))
+    else:
+        source = SupernetTau(inp.supernet, held.sequences, target.num_layers)
+    tau = TauCache(source)
     seeded = tau.seed_from(study)  # finished trials of this study (earlier runs, other workers) cost nothing
     objective = SpeedupObjective(inp.space, inp.supernet.entropy_layer, TargetDims.of(target), latency, tau, obj_cfg)
     n_trials = cfg.trials or int(inp.defaults["trials"])
@@ -277,6 +316,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
                "draft": str(draft) if draft else None, "command": command, "tau_cache_hits": tau.hits,
+               "sweeps_loaded": getattr(source, "loaded", 0),
                "trials_complete": complete}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return SearchResult(out, study_name, url, n_trials, complete, best or {}, draft, table, command)
@@ -308,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory-mb", type=float, default=None,
                    help="extra memory budget in MB: draft weights + its KV cache and cross memory (constraint)")
     p.add_argument("--pareto", action="store_true", help="second objective: fewer draft parameters (Pareto front)")
+    p.add_argument("--tree", choices=TREE_MODES, default=d.tree,
+                   help="best: the sampler picks the draft and top_k, and each arch gets the tree depth and "
+                        "total_tokens with the best predicted speed-up on this hardware (default); sampled: the "
+                        "sampler picks the tree too")
+    p.add_argument("--sweep-cache", default=None, metavar="DIR",
+                   help="where tree sweeps (acceptance of every tree of a subnet, hardware-independent) are kept "
+                        "for later searches (default: tau-sweeps/ beside the supernet checkpoint; 'none': off)")
     p.add_argument("--context", type=int, default=None, help="context length of the prediction (default: profile's)")
     p.add_argument("--scale", default=d.scale, help="pipeline scale in configs/scale (default: demo)")
     p.add_argument("--finetune-steps", type=int, default=0, help="fine-tune the best subnet before export")
@@ -335,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         profile_dir=args.profile_dir, space=args.space, trials=args.trials, storage=args.storage,
         study_name=args.study_name, sampler=args.sampler, out=args.out, seed=args.seed, heldout=args.heldout,
         heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
-        pareto=args.pareto, context=args.context, scale=args.scale, finetune_steps=args.finetune_steps,
+        pareto=args.pareto, tree=args.tree, sweep_cache=args.sweep_cache, context=args.context, scale=args.scale,
+        finetune_steps=args.finetune_steps,
         export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     res = run_search(cfg)
     print(f"study {res.study_name} ({res.storage}): {res.trials_run} trials run, {res.total_complete} finished in all")

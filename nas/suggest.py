@@ -50,8 +50,12 @@ def params_to_arch(params: dict, space: SearchSpace, entropy_layer: int | None) 
     )
 
 
-def suggest_arch(trial: optuna.Trial, space: SearchSpace, entropy_layer: int | None) -> DraftArch:
-    """Sample one arch through the trial (define-by-run)."""
+def suggest_arch(trial: optuna.Trial, space: SearchSpace, entropy_layer: int | None, tree: bool = True) -> DraftArch:
+    """Sample one arch through the trial (define-by-run).
+
+    tree=False: the sampler picks top_k but not the tree depth and total_tokens, which come back as the
+    space's largest (the caller chooses them, e.g. per device: SpeedupObjective.best_tree).
+    """
     p: dict = {
         "fusion": trial.suggest_categorical("fusion", list(space.fusion)),
         "feature_set": trial.suggest_categorical("feature_set", list(range(len(space.feature_layers)))),
@@ -60,8 +64,12 @@ def suggest_arch(trial: optuna.Trial, space: SearchSpace, entropy_layer: int | N
     for i in range(int(p["depth"])):
         p[f"heads_{i}"] = trial.suggest_categorical(f"heads_{i}", list(space.heads))
         p[f"ffn_{i}"] = trial.suggest_categorical(f"ffn_{i}", list(space.ffn))
-    for name in ("draft_vocab", "visual_keep", "tree_depth", "top_k", "total_tokens"):
+    names = ("draft_vocab", "visual_keep", "tree_depth", "top_k", "total_tokens") if tree else (
+        "draft_vocab", "visual_keep", "top_k")
+    for name in names:
         p[name] = trial.suggest_categorical(name, list(getattr(space, name)))
+    if not tree:
+        p["tree_depth"], p["total_tokens"] = max(space.tree_depth), max(space.total_tokens)
     return params_to_arch(p, space, entropy_layer)
 
 

@@ -18,7 +18,8 @@ from hwprofile.tables import Table
 # ---------------------------------------------------------------- device identity and spec sheets
 @pytest.mark.parametrize("name, canonical", [
     ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-PCIE-40GB", "a100"), ("NVIDIA H100 80GB HBM3", "h100"),
-    ("NVIDIA H200", "h200"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", "h200"), ("NVIDIA H100 NVL", "h100"), ("NVIDIA L4", "l4"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
 ])
 def test_canonical_names(name, canonical):
     assert canonical_name(name) == canonical
@@ -38,6 +39,56 @@ def test_local_device_without_gpu_is_cpu():
     assert info.hardware == "cpu" and info.kind == "cpu"
     assert info.cpu_cores >= 1 and info.cpu_model and info.torch_threads >= 1
     assert info.to_dict()["hardware"] == "cpu"
+
+
+def _fake_pynvml(unsupported: set[str], handles: dict[str, str]):
+    """A stand-in pynvml module: GPUs by UUID/index, and some NVML calls unsupported on this "board"."""
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    def call(name, value):
+        def fn(*_args):
+            if name in unsupported:
+                raise NVMLError(f"{name}: Not Supported")
+            return value
+        return fn
+
+    def by_uuid(uuid):
+        if uuid not in handles:
+            raise NVMLError("Not Found")
+        return handles[uuid]
+
+    m = types.ModuleType("pynvml")
+    m.NVMLError, m.NVML_CLOCK_SM, m.NVML_CLOCK_MEM = NVMLError, 1, 2
+    m.nvmlInit = m.nvmlShutdown = call("init", None)
+    m.nvmlDeviceGetHandleByUUID = by_uuid
+    m.nvmlDeviceGetHandleByIndex = lambda i: f"index-{i}"
+    m.nvmlDeviceGetName = lambda h: f"NVIDIA H200 ({h})".encode()  # older bindings return bytes
+    m.nvmlDeviceGetMemoryInfo = call("memory", types.SimpleNamespace(total=141 * 2**30))
+    m.nvmlSystemGetDriverVersion = call("driver", "580.65")
+    m.nvmlDeviceGetMaxClockInfo = call("clock", 1980)
+    m.nvmlDeviceGetPowerManagementLimit = call("power", 700_000)
+    return m
+
+
+def test_nvml_fields_survive_unsupported_fields_and_missing_pynvml(monkeypatch):
+    import sys
+
+    from hwprofile.device import _nvml_fields
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml({"power", "memory"}, {"GPU-abc": "uuid-abc"}))
+    out = _nvml_fields(0, "abc")  # torch's UUID has no "GPU-" prefix; NVML's has
+    assert out["name"] == "NVIDIA H200 (uuid-abc)" and canonical_name(out["name"]) == "h200"
+    assert out["driver"] == "580.65" and out["sm_clock_mhz"] == 1980
+    assert "power_limit_w" not in out and "memory_bytes" not in out  # unsupported: left out, not fatal
+    assert _nvml_fields(3, "unknown")["name"] == "NVIDIA H200 (index-3)"  # UUID not found: by index
+    assert _nvml_fields(2, None)["name"] == "NVIDIA H200 (index-2)"  # no UUID from torch: by index
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml({"init"}, {}))
+    assert _nvml_fields(0) == {}  # no driver / library
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import raises ImportError
+    assert _nvml_fields(0) == {}
 
 
 def test_every_canonical_name_has_a_sheet():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,3 +80,51 @@ def test_simulated_tau_equals_real_speculative_decoding(trained):
         assert sim.tau == pytest.approx(emitted / cycles, abs=1e-12)
         accepted_any |= sim.tau > 1.0
     assert accepted_any  # the comparison covered accepted tokens, not only rejections
+
+
+def test_tree_sweep_equals_replay_for_every_tree(trained):
+    """One sweep per (subnet, top_k) scores every (depth, total_tokens) exactly as a replay of that tree."""
+    from decode.arch import TreeSpec
+    from nas.treesweep import TreeSweep
+
+    target, model, seqs = trained
+    rng = random.Random(1)
+    archs = [model.space.largest(model.entropy_layer)] + [model.sample(rng) for _ in range(2)]
+    compared = longer = 0
+    for arch in archs:
+        draft = NeuralDraft(model.set_active(arch))
+        for k in (1, 2, 4):
+            sweep = TreeSweep.run(draft, seqs, target.num_layers, top_k=k, max_depth=4)
+            for depth in (1, 2, 4):
+                for total in (1, 3, 8, 40):
+                    spec = TreeSpec(tree_depth=depth, top_k=k, total_tokens=total)
+                    want = estimate_tau(draft, seqs, target.num_layers, TreePolicy(spec=spec))
+                    got = sweep.acceptance(depth, total)
+                    assert (got.cycles, got.emitted, got.hist) == (want.cycles, want.emitted, want.hist), (arch, spec)
+                    compared += 1
+                    longer += max(want.hist) >= 2
+            # a capped number of new tokens goes through the same truncation as the replay
+            spec = TreeSpec(tree_depth=4, top_k=k, total_tokens=8)
+            want = estimate_tau(draft, seqs, target.num_layers, TreePolicy(spec=spec), max_new_tokens=7)
+            got = sweep.acceptance(4, 8, max_new_tokens=7)
+            assert (got.cycles, got.emitted, got.hist) == (want.cycles, want.emitted, want.hist)
+    assert compared == 3 * 3 * 3 * 4 and longer > 0  # some trees accepted paths of 2+ tokens
+
+
+def test_sweeps_are_stored_and_reused(trained, tmp_path):
+    from nas.objective import SweepTau
+
+    target, model, seqs = trained
+    arch = model.space.largest(model.entropy_layer)
+    first = SweepTau(model, seqs, target.num_layers, max_depth=3, store=tmp_path, store_key="k1")
+    taus = {(d, n): first(replace(arch, tree_depth=d, total_tokens=n)) for d in (1, 2, 3) for n in (2, 8)}
+    assert len(list(tmp_path.glob("sweep-*.safetensors"))) == 1 and first.loaded == 0
+    again = SweepTau(model, seqs, target.num_layers, max_depth=3, store=tmp_path, store_key="k1")
+    again.supernet = None  # a stored sweep needs no draft forward at all
+    assert {(d, n): again(replace(arch, tree_depth=d, total_tokens=n)) for d, n in taus} == taus
+    assert again.loaded == 1
+    other = SweepTau(model, seqs, target.num_layers, max_depth=3, store=tmp_path, store_key="k2")  # other inputs
+    assert other(replace(arch, tree_depth=2, total_tokens=8)) == taus[(2, 8)] and other.loaded == 0
+    (next(tmp_path.glob("sweep-*.safetensors"))).write_bytes(b"garbage")  # a damaged file is recomputed
+    fixed = SweepTau(model, seqs, target.num_layers, max_depth=3, store=tmp_path, store_key="k1")
+    assert fixed(replace(arch, tree_depth=3, total_tokens=2)) == taus[(3, 2)]

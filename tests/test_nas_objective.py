@@ -156,3 +156,36 @@ def test_space_params_round_trip():
         ("concat", (-1,), 1, None, 1.0)
     assert eagle.heads == (max(SPACE.heads),) and eagle.ffn == (max(SPACE.ffn),)
     assert [label for label, _ in starting_archs(SPACE, ENTROPY)] == ["eagle-like", "largest", "smallest"]
+
+
+def test_best_tree_is_chosen_per_device_for_the_same_draft():
+    draft = DraftArch(fusion="concat", feature_layers=(-1,), depth=1, heads=(4,), ffn=(128,), draft_vocab=None,
+                      tree_depth=1, top_k=3, total_tokens=2)
+    picks = {}
+    for name, latency in (("cpu", CPU), ("gpu", GPU)):
+        obj = _objective(latency)
+        best = obj.best_tree(draft)
+        every = [obj.evaluate(v) for v in obj.tree_variants(draft)]
+        assert best.speedup == max(e.speedup for e in every)  # exhaustive over the space's trees
+        assert len(every) == len({e.arch for e in every}) > 4
+        picks[name] = DraftArch.from_json(best.arch)
+    assert picks["gpu"].tree_depth > picks["cpu"].tree_depth
+    assert tree_tokens(picks["gpu"]) > tree_tokens(picks["cpu"])
+    assert {a.heads for a in picks.values()} == {(4,)}  # only the tree changed
+
+
+def test_tree_mode_best_leaves_the_tree_out_of_the_sampler_but_not_for_enqueued_archs():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial(arch_to_params(BIG_TREE, SPACE, ENTROPY), user_attrs={"start": "reference"})
+    study.optimize(_objective(GPU), n_trials=4)
+    first, rest = study.trials[0], study.trials[1:]
+    assert DraftArch.from_json(first.user_attrs["arch"]) == BIG_TREE and not first.user_attrs["tree_chosen"]
+    for t in rest:
+        assert "tree_depth" not in t.params and "total_tokens" not in t.params and "top_k" in t.params
+        assert t.user_attrs["tree_chosen"]
+    sampled = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    sampled.optimize(_objective(GPU, tree="sampled"), n_trials=2)
+    assert all("tree_depth" in t.params for t in sampled.trials)
+    with pytest.raises(ValueError, match="tree must be one of"):
+        ObjectiveConfig(tree="exhaustive")

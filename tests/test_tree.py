@@ -52,6 +52,21 @@ def test_mask_depths_positions_match_brute_force(seed):
                 assert bool(allowed[i, k]) == visible
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 9, 33, 130])
+def test_ancestor_mask_deep_chains_and_forests(n):
+    # a chain is the deepest tree (n - 1 levels): it needs every squaring step of the closure
+    chain = torch.arange(n) - 1
+    assert torch.equal(ancestor_mask(chain), torch.ones(n, n, dtype=torch.bool).tril())
+    # a forest with several root-level tokens and random depths
+    g = torch.Generator().manual_seed(n)
+    forest = torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)])
+    anc, depth = brute_ancestors(forest.tolist())
+    want = torch.tensor([[j in anc[i] for j in range(n)] for i in range(n)])
+    mask = ancestor_mask(forest)
+    assert torch.equal(mask, want)
+    assert depths_from_mask(mask).tolist() == depth
+
+
 def test_target_masks_agree_with_reference_for_hybrid_layers():
     target = tiny_target("tiny-gemma3-text")  # sliding + full layers
     parents = random_parents(6, 1)
