@@ -24,6 +24,7 @@ import argparse
 import logging
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,8 +102,13 @@ def _usable_prompts(items: list[PromptItem], is_vlm: bool, target_name: str) -> 
     return kept, skipped
 
 
-def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None) -> dict:
-    """Benchmark every method of `config` on `prompts` (default: config.prompts, held-out split) -> results dict."""
+def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
+              on_prompt: Callable[[dict], None] | None = None) -> dict:
+    """Benchmark every method of `config` on `prompts` (default: config.prompts, held-out split) -> results dict.
+
+    on_prompt(partial result) is called after each prompt (main writes it to --out), so a bench that is
+    stopped (a time limit on a lent GPU, Ctrl-C) keeps every finished prompt; "complete" says which it is.
+    """
     from tqdm import tqdm
 
     from decode.loader import load_target
@@ -125,8 +131,24 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None) -> d
     if config.warmup:
         warm_up(target, built[0][1], methods, config.max_new_tokens, sampling)
     rows: list[dict] = []
+
+    def result(done: int) -> dict:
+        return {
+            "config": asdict(config),
+            **env,
+            "target": {"name": target.name, "dtype": str(target.dtype).replace("torch.", ""),
+                       "fingerprint": target.fingerprint().to_dict()},
+            "prompts": {"spec": config.prompts if prompts is None else "(given)", "split": config.split,
+                        "count": done, "planned": len(built), "skipped_image_prompts": skipped,
+                        "ids": [i.id for i, _ in built[:done]]},
+            "complete": done == len(built),
+            "methods": [m.describe() for m in methods],
+            "summary": summarize(rows, [m.name for m in methods], sampling.greedy),
+            "per_prompt": rows,
+        }
+
     with tqdm(total=len(built) * len(methods) * config.repeats, desc="bench", unit="run", disable=None) as bar:
-        for item, prompt in built:
+        for done, (item, prompt) in enumerate(built, start=1):
             bar.set_postfix_str(item.id[:24])
             runs = measure(target, prompt, methods, config.max_new_tokens, sampling, config.repeats, bar)
             van = runs[VANILLA]
@@ -137,17 +159,9 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None) -> d
                 row["speedup"] = meas.tokens_per_s / van.tokens_per_s if van.tokens_per_s > 0 else None
                 row["identical"] = None if m.name == VANILLA else identical(meas.first, van.first, sampling)
                 rows.append(row)
-    return {
-        "config": asdict(config),
-        **env,
-        "target": {"name": target.name, "dtype": str(target.dtype).replace("torch.", ""),
-                   "fingerprint": target.fingerprint().to_dict()},
-        "prompts": {"spec": config.prompts if prompts is None else "(given)", "split": config.split,
-                    "count": len(built), "skipped_image_prompts": skipped, "ids": [i.id for i, _ in built]},
-        "methods": [m.describe() for m in methods],
-        "summary": summarize(rows, [m.name for m in methods], sampling.greedy),
-        "per_prompt": rows,
-    }
+            if on_prompt is not None and done < len(built):
+                on_prompt(result(done))
+    return result(len(built))
 
 
 def summarize(rows: list[dict], methods: list[str], greedy: bool) -> list[dict]:
@@ -234,8 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, dtype=args.dtype,
         cache_dir=str(args.cache_dir) if args.cache_dir else None, out=args.out,
     )
-    result = run_bench(config)
-    path = write_json(Path(config.out) if config.out else default_out_path(config.target, result), result)
+    paths: list[Path] = []
+
+    def save(partial: dict) -> Path:  # the same file after every prompt, then the final result
+        if not paths:
+            paths.append(Path(config.out) if config.out else default_out_path(config.target, partial))
+        return write_json(paths[0], partial)
+
+    result = run_bench(config, on_prompt=save)
+    path = save(result)
     print(f"{result['target']['name']} on {result['device']} ({result['prompts']['count']} prompts, "
           f"{config.max_new_tokens} max new tokens, median of {config.repeats}, "
           f"{'greedy' if config.sampling.greedy else f'T={config.temperature}'})")

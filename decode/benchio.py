@@ -235,7 +235,10 @@ def default_out_path(target: str, env: dict, root: Path = Path("benchmarks/resul
 
 
 def write_json(path: Path, obj: dict) -> Path:
+    """Write atomically (temp file + rename): a reader, or a bench killed mid-write, never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
     return path

@@ -56,6 +56,27 @@ def _walk(tree, cont: list[int], depth0: int) -> list[int]:
     return path
 
 
+def start_replay(draft: NeuralDraft, seq: dict, prompt_len: int, num_layers: int
+                 ) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """Start `draft` on the stored prompt of `seq` as a prefill would; -> (features {layer: (T, H)} on the
+    draft's device, cont (T,): the token a node at position j must equal to be accepted, -1 for none).
+
+    A node at position j is accepted when it equals the stored token there AND the target's argmax after
+    j-1 (always true on regenerated data; on teacher data the two can differ).
+    """
+    ids = seq["input_ids"].tolist()
+    p = prompt_len
+    dev = draft.model.feat_fc.weight.device
+    hidden = {x: seq["hidden"][normalize_layer(x, num_layers)].to(dev) for x in draft.feature_layers}
+    argmax = seq["topk_ids"][:, 0].tolist()
+    cont = [ids[j] if j == 0 or argmax[j - 1] == ids[j] else -1 for j in range(len(ids))]
+    pre = PrefillOutput(logits=torch.empty(0), hidden={x: h[:p] for x, h in hidden.items()},
+                        image_positions=seq["image_mask"][:p].nonzero().flatten(),
+                        attn_received=seq["attn_received"][:p].float())
+    draft.start(None, Prompt(input_ids=seq["input_ids"][:p][None]), pre)
+    return hidden, cont
+
+
 @torch.no_grad()
 def replay_sequence(draft: NeuralDraft, seq: dict, prompt_len: int, num_layers: int, policy: TreePolicy,
                     max_new_tokens: int | None = None) -> tuple[int, int, Counter]:
@@ -70,16 +91,7 @@ def replay_sequence(draft: NeuralDraft, seq: dict, prompt_len: int, num_layers: 
     limit = t - p if max_new_tokens is None else min(max_new_tokens, t - p)
     if limit < 1:
         return 0, 0, Counter()
-    dev = draft.model.feat_fc.weight.device
-    hidden = {x: seq["hidden"][normalize_layer(x, num_layers)].to(dev) for x in draft.feature_layers}
-    # a node at position j is accepted when it equals the stored token there AND the target's argmax
-    # after j-1 (always true on regenerated data; on teacher data the two can differ)
-    argmax = seq["topk_ids"][:, 0].tolist()
-    cont = [ids[j] if j == 0 or argmax[j - 1] == ids[j] else -1 for j in range(t)]
-    pre = PrefillOutput(logits=torch.empty(0), hidden={x: h[:p] for x, h in hidden.items()},
-                        image_positions=seq["image_mask"][:p].nonzero().flatten(),
-                        attn_received=seq["attn_received"][:p].float())
-    draft.start(None, Prompt(input_ids=seq["input_ids"][:p][None]), pre)
+    hidden, cont = start_replay(draft, seq, p, num_layers)
     root_pos, emitted, cycles, hist = p, 1, 0, Counter()
     while emitted < limit:
         tree = draft.propose(ids[root_pos], policy, GREEDY, None).truncated(limit - emitted - 1)

@@ -26,12 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decode.arch import TreeSpec
-from decode.capture import normalize_layer
 from decode.drafts.neural import NeuralDraft
-from decode.prompt import Prompt
-from decode.target import PrefillOutput
 from decode.tree import TreePolicy
-from nas.acceptance import GREEDY, Acceptance
+from nas.acceptance import GREEDY, Acceptance, start_replay
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +94,7 @@ def sweep_sequence(draft: NeuralDraft, seq: dict, prompt_len: int, num_layers: i
     """(expansion per root position p..t-2, expected tokens cont) for one FeatureData item."""
     ids = seq["input_ids"].tolist()
     t, p = len(ids), prompt_len
-    dev = draft.model.feat_fc.weight.device
-    hidden = {x: seq["hidden"][normalize_layer(x, num_layers)].to(dev) for x in draft.feature_layers}
-    argmax = seq["topk_ids"][:, 0].tolist()
-    cont = [ids[j] if j == 0 or argmax[j - 1] == ids[j] else -1 for j in range(t)]  # as nas.acceptance
-    pre = PrefillOutput(logits=torch.empty(0), hidden={x: h[:p] for x, h in hidden.items()},
-                        image_positions=seq["image_mask"][:p].nonzero().flatten(),
-                        attn_received=seq["attn_received"][:p].float())
-    draft.start(None, Prompt(input_ids=seq["input_ids"][:p][None]), pre)
+    hidden, cont = start_replay(draft, seq, p, num_layers)
     # every node of the expansion is kept: total_tokens at least what a depth-D_max tree can hold
     full = TreePolicy(spec=TreeSpec(tree_depth=max_depth, top_k=top_k,
                                     total_tokens=top_k + (max_depth - 1) * top_k * top_k))

@@ -69,3 +69,31 @@ def test_bad_config_is_a_user_error(cfg, match):
 def test_only_image_prompts_on_a_text_target_is_an_error():
     with pytest.raises(UserError, match="no prompts"):
         run_bench(BenchConfig(target="tiny-llama", device="cpu"), prompts=PROMPTS[2:])
+
+
+def test_an_interrupted_bench_keeps_its_finished_prompts(tmp_path, monkeypatch):
+    """The JSON is rewritten after every prompt: stopping during prompt 2 leaves prompt 1's rows, marked incomplete."""
+    monkeypatch.setattr(bench, "parse_prompt_spec", lambda spec, **kw: list(PROMPTS[:2]))
+    real_measure, calls = bench.measure, []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. a time limit on a lent GPU
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--target", "tiny-llama", "--drafts", "prompt-lookup", "--prompts", "sharegpt:2",
+                    "--max-new-tokens", "6", "--repeats", "1", "--no-warmup", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["complete"] is False and res["prompts"]["count"] == 1 and res["prompts"]["planned"] == 2
+    assert {r["prompt_id"] for r in res["per_prompt"]} == {"sharegpt:a"}
+    assert {row["method"] for row in res["summary"]} == {"vanilla", "prompt-lookup"}
+    assert not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(bench, "measure", real_measure)
+    bench.main(["--target", "tiny-llama", "--drafts", "prompt-lookup", "--prompts", "sharegpt:2",
+                "--max-new-tokens", "6", "--repeats", "1", "--no-warmup", "--out", str(out)])
+    done = json.loads(out.read_text())
+    assert done["complete"] is True and done["prompts"]["count"] == 2
