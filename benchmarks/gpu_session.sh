@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session, as run on a lent H200 (see the README's "GPU results" and the session notes):
-# sanity decode on the device, then the latency profile, its validation, and the side-by-side bench
-# of exported drafts. Every stage is bounded by `timeout` and independent of the others, so one
+# sanity decode on the device, a torch.profiler trace of real cycles, the side-by-side bench of
+# exported drafts, the latency profile and its validation, then benches with a larger tree and in fp32. Every stage is bounded by `timeout` and independent of the others, so one
 # failure costs only that stage; results are copied to RES after each stage.
 #
 #   RES=/tmp/res DRAFTS="out/draft-cpu-trial8 out/draft-cpu-trial0" bash benchmarks/gpu_session.sh
@@ -62,6 +62,11 @@ if [ -n "$drafts_csv" ]; then
   first=${DRAFTS%% *}
   stage sanity-draft 120 $PY -m decode.run --target "$TARGET" --draft "$first" --compare --repeats 2 \
     --prompt "Describe this picture." --image skimage:astronaut --max-new-tokens 32
+fi
+
+if [ -n "$drafts_csv" ]; then  # where real cycles spend their time (the profile's components miss host work)
+  stage trace 120 $PY -m hwprofile.trace --target "$TARGET" --draft "$first" --max-new-tokens 48 \
+    --out "$RES/trace-$TARGET-$HW.json"
 fi
 
 stage bench 240 $PY -m decode.bench --target "$TARGET" --drafts "${drafts_csv:+$drafts_csv,}prompt-lookup${EXTRA_DRAFTS:+,$EXTRA_DRAFTS}" \

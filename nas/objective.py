@@ -185,6 +185,13 @@ class SpeedupObjective:
         self.space, self.entropy_layer, self.dims = space, entropy_layer, dims
         self.latency, self.config = latency, config
         self.tau = tau if isinstance(tau, TauCache) else TauCache(tau)
+        self.proposals: set[str] = set()  # archs the sampler proposed (before any tree choice)
+
+    def seed_proposals(self, study: optuna.Study) -> None:
+        """Remember the proposals of the study's finished trials (a resumed study, other workers)."""
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if "proposal" in t.user_attrs:
+                self.proposals.add(t.user_attrs["proposal"])
 
     @property
     def context(self) -> float:
@@ -239,10 +246,15 @@ class SpeedupObjective:
     def __call__(self, trial: optuna.Trial):
         choose_tree = self.config.tree == "best" and "start" not in trial.user_attrs  # enqueued archs keep theirs
         arch = suggest_arch(trial, self.space, self.entropy_layer, tree=not choose_tree)
+        proposal = arch.to_json()
+        repeat = proposal in self.proposals  # samplers re-propose archs on small categorical spaces
+        self.proposals.add(proposal)
         ev = self.best_tree(arch) if choose_tree else self.evaluate(arch)
         for key, value in asdict(ev).items():
             trial.set_user_attr(key, list(value) if isinstance(value, tuple) else value)
         trial.set_user_attr("tree_chosen", choose_tree)
+        trial.set_user_attr("proposal", proposal)
+        trial.set_user_attr("repeat", repeat)
         if ev.tau is not None:
             logger.debug("trial %d: tau %.3f, cycle %.2f ms, speed-up %.3f", trial.number, ev.tau, ev.cycle_ms,
                          ev.speedup)

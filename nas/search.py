@@ -177,18 +177,34 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults)
 
 
-def run_trials(study, objective, n_trials: int, label: str) -> None:
-    """study.optimize with a tqdm bar (tau and speed-up of the last trial)."""
+def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3) -> int:
+    """study.optimize until `n_trials` *new* archs are scored, with a tqdm bar; -> trials run.
+
+    A trial that re-proposes an arch already scored (samplers do, on small categorical spaces) costs
+    next to nothing (cached tau) and is not counted, so --trials N scores N distinct archs; at most
+    max_factor * N trials run in all, should the sampler keep repeating itself.
+    """
     import optuna
     from tqdm import tqdm
 
-    with tqdm(total=n_trials, desc=label, unit="trial", disable=None) as bar:
+    new, ran = 0, 0
+    with tqdm(total=n_trials, desc=label, unit="arch", disable=None) as bar:
         def tick(study_: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            bar.update(1)
+            nonlocal new, ran
+            ran += 1
+            if not trial.user_attrs.get("repeat", False):
+                new += 1
+                bar.update(1)
             if trial.user_attrs.get("speedup") is not None:
                 bar.set_postfix(tau=trial.user_attrs.get("tau"), speedup=round(trial.user_attrs["speedup"], 3))
+            if new >= n_trials:
+                study_.stop()
 
-        study.optimize(objective, n_trials=n_trials, callbacks=[tick])
+        study.optimize(objective, n_trials=max_factor * n_trials, callbacks=[tick])
+    if new < n_trials:
+        logger.warning("the sampler kept re-proposing scored archs: %d new of %d asked in %d trials", new, n_trials,
+                       ran)
+    return ran
 
 
 def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Path) -> Path:
@@ -293,7 +309,8 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     logger.info("searching %d trials on %s (%s profile %s), context %d, %d held-out sequences%s", n_trials,
                 choice.hardware, choice.how, choice.path, objective.context, len(held.sequences),
                 f", {seeded} cached taus" if seeded else "")
-    run_trials(study, objective, n_trials, f"nas {choice.hardware}")
+    objective.seed_proposals(study)
+    ran = run_trials(study, objective, n_trials, f"nas {choice.hardware}")
 
     title = (f"{target.name} on {choice.hardware} ({'predicted' if latency.predicted else 'measured'} profile), "
              f"study {study_name}")
@@ -319,7 +336,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
                "sweeps_loaded": getattr(source, "loaded", 0),
                "trials_complete": complete}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    return SearchResult(out, study_name, url, n_trials, complete, best or {}, draft, table, command)
+    return SearchResult(out, study_name, url, ran, complete, best or {}, draft, table, command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="latency profile JSON (default: stored, measured or predicted)")
     p.add_argument("--profile-dir", default=d.profile_dir, help=f"stored profiles (default: {d.profile_dir})")
     p.add_argument("--space", default=None, help="search space YAML or name (default: the supernet's space)")
-    p.add_argument("--trials", type=int, default=None, help="trials to run now (default: 40 at demo scale)")
+    p.add_argument("--trials", type=int, default=None,
+                   help="new archs to score now; re-proposed archs are answered from the cache and not counted "
+                        "(default: 40 at demo scale)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///OUT/study.db)")
     p.add_argument("--study-name", default=None, help="study to create or continue (default: nas-<hardware>-<target>)")
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: tpe (nsga2 with --pareto)")

@@ -189,3 +189,29 @@ def test_tree_mode_best_leaves_the_tree_out_of_the_sampler_but_not_for_enqueued_
     assert all("tree_depth" in t.params for t in sampled.trials)
     with pytest.raises(ValueError, match="tree must be one of"):
         ObjectiveConfig(tree="exhaustive")
+
+
+def test_repeated_proposals_are_scored_from_cache_and_not_counted():
+    """--trials N scores N distinct archs: a re-proposed arch (common on small categorical spaces) is answered
+    from the tau cache, marked `repeat`, and does not count; a resumed objective knows earlier proposals."""
+    from nas.search import run_trials
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    calls = []
+    obj = _objective(GPU, tau=lambda a: calls.append(a) or synthetic_tau(a))
+    # a sampler that proposes from a tiny pool: repeats are certain
+    pool = [SPACE.sample(random.Random(i), ENTROPY) for i in range(4)]
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    for arch in [a for a in pool for _ in range(3)]:  # a0 a0 a0 a1 a1 a1 ...
+        study.enqueue_trial({k: v for k, v in arch_to_params(arch, SPACE, ENTROPY).items()
+                             if k not in ("tree_depth", "total_tokens")})
+    ran = run_trials(study, obj, n_trials=4, label="t", max_factor=3)
+    done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    repeats = [t.user_attrs["repeat"] for t in done]
+    assert sum(not r for r in repeats) == 4 and sum(repeats) == 6 and ran == len(done) == 10
+    assert len({t.user_attrs["proposal"] for t in done}) == 4
+    assert len({a.to_json() for a in calls}) == len(calls)  # a repeat never replays
+    # a resumed objective seeded from the study counts the same archs as repeats
+    again = _objective(GPU)
+    again.seed_proposals(study)
+    assert again.proposals == {t.user_attrs["proposal"] for t in done}
