@@ -19,7 +19,7 @@ import pandas as pd
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["number", "state", "speedup", "tau", "cycle_ms", "draft_ms", "verify_ms", "target_step_ms", "tree_tokens",
-           "params", "memory_mb", "feasible", "start", "arch"]
+           "params", "memory_mb", "feasible", "start", "repeat", "tree_chosen", "arch"]
 SHOWN = ["number", "speedup", "tau", "cycle_ms", "draft_ms", "verify_ms", "params", "fusion", "depth", "tree"]
 
 
@@ -44,7 +44,8 @@ def finished(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_table(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
-    top = finished(df).head(n).copy()
+    """The n best distinct archs (a re-proposed arch is listed once, at its first trial)."""
+    top = finished(df).drop_duplicates("arch").head(n).copy()
     if top.empty:
         return pd.DataFrame(columns=SHOWN)
     archs = top["arch"].map(json.loads)

@@ -215,3 +215,17 @@ def test_repeated_proposals_are_scored_from_cache_and_not_counted():
     again = _objective(GPU)
     again.seed_proposals(study)
     assert again.proposals == {t.user_attrs["proposal"] for t in done}
+
+
+def test_best_table_lists_each_arch_once():
+    import pandas as pd
+
+    from nas.report import best_table
+
+    a, b = CHEAP.to_json(), BIG_TREE.to_json()
+    df = pd.DataFrame([
+        {"number": n, "state": "COMPLETE", "feasible": True, "speedup": sp, "tau": 1.2, "cycle_ms": 1.0,
+         "draft_ms": 0.5, "verify_ms": 0.5, "params": 10, "arch": arch}
+        for n, sp, arch in [(0, 0.9, a), (1, 0.9, a), (2, 0.8, b), (3, 0.9, a)]])
+    table = best_table(df)
+    assert table["number"].tolist() == [0, 2] and table["tree"].tolist() == ["1x2/2", "3x3/8"]
