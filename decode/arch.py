@@ -24,6 +24,12 @@ from decode.errors import UserError
 FUSIONS = ("concat", "cross", "hybrid")
 
 
+def max_tree_nodes(depth: int, top_k: int) -> int:
+    """Most draft nodes an EAGLE-2 dynamic tree of `depth` levels can hold: top_k at level 1, then
+    top_k * top_k new candidates per level (top_k expanded nodes with top_k children each)."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
 @dataclass(frozen=True)
 class TreeSpec:
     """Shape of the draft tree; the verify forward sees total_tokens + 1 tokens (the root too)."""

@@ -18,7 +18,7 @@ from decode.prompt import Prompt
 from decode.sampling import SamplingConfig, make_generator, sample_token
 from decode.target import TargetModel
 from decode.tree import TreePolicy
-from decode.vanilla import GenerationResult, _sync, check_max_new_tokens
+from decode.vanilla import GenerationResult, sync_device, check_max_new_tokens
 from decode.verify import verify
 
 
@@ -54,11 +54,11 @@ def speculative_generate(
     policy = policy or TreePolicy(spec=draft.default_tree)
     gen = make_generator(sampling, target.device)
     eos = target.eos_token_ids
-    _sync(target.device)  # GPU work queued before this call must not be timed as this prefill
+    sync_device(target.device)  # GPU work queued before this call must not be timed as this prefill
     t0 = time.perf_counter()
     pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.attention_stats)
     root = sample_token(pre.logits[-1], sampling, gen)
-    _sync(target.device)
+    sync_device(target.device)
     t1 = time.perf_counter()
     tokens = [root]
     draft_s = verify_s = 0.0
@@ -66,18 +66,18 @@ def speculative_generate(
     sizes: list[int] = []
     td = time.perf_counter()
     draft.start(target, prompt, pre)
-    _sync(target.device)  # the draft's prompt features are its own work, not the first cycle's
+    sync_device(target.device)  # the draft's prompt features are its own work, not the first cycle's
     draft_s += time.perf_counter() - td
     while len(tokens) < max_new_tokens and root not in eos:
         td = time.perf_counter()
         # never draft deeper than we may still emit: accepted + bonus <= remaining
         tree = draft.propose(root, policy, sampling, gen).truncated(max_new_tokens - len(tokens) - 1)
-        _sync(target.device)
+        sync_device(target.device)
         tv = time.perf_counter()
         out = target.forward_tree(tree.tokens, tree.parents, feature_layers=draft.feature_layers)
         path, bonus = verify(tree, out.logits, sampling, gen)
         target.keep(path)
-        _sync(target.device)
+        sync_device(target.device)
         td2 = time.perf_counter()
         path_tokens = tree.tokens[path].tolist()
         new = path_tokens[1:] + [bonus]
@@ -91,11 +91,11 @@ def speculative_generate(
         root = new[-1]
         if root not in eos and len(tokens) < max_new_tokens:
             draft.accept(path_tokens, {k: v[path] for k, v in out.hidden.items()}, bonus)
-        _sync(target.device)
+        sync_device(target.device)
         t_end = time.perf_counter()
         draft_s += (tv - td) + (t_end - td2)
         verify_s += td2 - tv
-    _sync(target.device)
+    sync_device(target.device)
     t2 = time.perf_counter()
     tokens = tokens[:max_new_tokens]
     return SpecResult(

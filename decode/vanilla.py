@@ -42,7 +42,8 @@ def check_max_new_tokens(n: int) -> None:
         raise UserError(f"max-new-tokens must be at least 1, got {n}")
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued GPU work (wall-clock timing of CUDA code needs it); nothing on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -55,11 +56,11 @@ def vanilla_generate(
     check_max_new_tokens(max_new_tokens)
     gen = make_generator(sampling, target.device)
     eos = target.eos_token_ids
-    _sync(target.device)  # GPU work queued before this call must not be timed as this prefill
+    sync_device(target.device)  # GPU work queued before this call must not be timed as this prefill
     t0 = time.perf_counter()
     logits = target.prefill(prompt).logits[-1]  # (V,)
     token = sample_token(logits, sampling, gen)
-    _sync(target.device)
+    sync_device(target.device)
     t1 = time.perf_counter()
     tokens = [token]
     forwards = 0
@@ -68,7 +69,7 @@ def vanilla_generate(
         forwards += 1
         token = sample_token(logits, sampling, gen)
         tokens.append(token)
-    _sync(target.device)
+    sync_device(target.device)
     t2 = time.perf_counter()
     text = target.tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(tokens=tokens, text=text, prefill_s=t1 - t0, decode_s=t2 - t1, target_forwards=forwards)

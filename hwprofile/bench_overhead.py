@@ -25,7 +25,7 @@ from itertools import product
 
 import torch
 
-from decode.arch import DraftArch
+from decode.arch import DraftArch, max_tree_nodes
 from decode.draft_model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
 from decode.target import TargetModel
@@ -43,7 +43,7 @@ def probe_arch(space: SearchSpace, tree_depth: int, top_k: int) -> DraftArch:
     vocabs = [v for v in space.draft_vocab if v is not None]
     return DraftArch(fusion="concat", feature_layers=(-1,), depth=1, heads=(min(space.heads),), ffn=(min(space.ffn),),
                      draft_vocab=min(vocabs) if vocabs else None, tree_depth=tree_depth, top_k=top_k,
-                     total_tokens=min(max(space.total_tokens), top_k + (tree_depth - 1) * top_k * top_k))
+                     total_tokens=min(max(space.total_tokens), max_tree_nodes(tree_depth, top_k)))
 
 
 class _Probe:

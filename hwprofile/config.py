@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from decode.arch import max_tree_nodes
 from hwprofile.timing import TimingConfig
 from supernet.space import SearchSpace
 
@@ -72,7 +73,7 @@ def _powers_of_two(limit: int) -> set[int]:
 
 def space_tree_sizes(space: SearchSpace) -> set[int]:
     """Every verify size (draft nodes + root) a dynamic tree of the space can have."""
-    return {min(t, k + (d - 1) * k * k) + 1 for t in space.total_tokens for d in space.tree_depth for k in space.top_k}
+    return {min(t, max_tree_nodes(d, k)) + 1 for t in space.total_tokens for d in space.tree_depth for k in space.top_k}
 
 
 def default_grids(device_kind: str, space: SearchSpace, quick: bool = False) -> Grids:

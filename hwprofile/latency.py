@@ -20,15 +20,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from decode.arch import DraftArch
+from decode.arch import DraftArch, max_tree_nodes
 from hwprofile.bench_draft import head_vocab
 from hwprofile.schema import Profile
 
 
 def tree_tokens(arch: DraftArch) -> int:
     """Tokens the target verifies: the draft nodes an EAGLE-2 tree can hold (at most total_tokens) + the root."""
-    k, d = arch.top_k, arch.tree_depth
-    return min(arch.total_tokens, k + (d - 1) * k * k) + 1
+    return min(arch.total_tokens, max_tree_nodes(arch.tree_depth, arch.top_k)) + 1
 
 
 class LatencyModel:

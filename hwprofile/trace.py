@@ -19,7 +19,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from decode.cli import add_target_args, run_cli, setup_logging
@@ -27,16 +26,11 @@ from decode.drafts import make_draft
 from decode.errors import UserError
 from decode.loader import load_target
 from decode.speculative import speculative_generate
-from decode.vanilla import vanilla_generate
+from decode.vanilla import sync_device, vanilla_generate
 from hwprofile.measure import command_line, versions
 
 logger = logging.getLogger("hwprofile.trace")
 PROMPT = "Write a short story about a robot who learns to paint."
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _summary(prof, wall_s: float, top: int) -> dict:
@@ -66,11 +60,11 @@ def trace(target, draft_spec: str, prompt_text: str, max_new_tokens: int, top: i
     for name, run in (("vanilla", lambda: vanilla_generate(target, prompt, max_new_tokens)),
                       ("speculative", lambda: speculative_generate(target, draft, prompt, max_new_tokens))):
         run()  # warm-up: first-use kernels, allocator, lazy imports
-        _sync(target.device)
+        sync_device(target.device)
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             res = run()
-            _sync(target.device)
+            sync_device(target.device)
             wall = time.perf_counter() - t0
         out[name] = {**_summary(prof, wall, top), "new_tokens": len(res.tokens)}
         if name == "speculative":

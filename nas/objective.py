@@ -33,14 +33,14 @@ from pathlib import Path
 import optuna
 from safetensors import SafetensorError
 
-from decode.arch import DraftArch
+from decode.arch import DraftArch, max_tree_nodes
 from decode.draft_model import TargetDims
 from decode.drafts.neural import NeuralDraft
 from decode.tree import TreePolicy
 from hwprofile.latency import LatencyModel, tree_tokens
 from nas.acceptance import estimate_tau
 from nas.cost import draft_params, extra_memory
-from nas.suggest import max_tree_nodes, suggest_arch
+from nas.suggest import suggest_arch
 from nas.treesweep import TreeSweep
 from supernet.space import SearchSpace
 
@@ -129,21 +129,25 @@ class SweepTau:
 
     def sweep(self, arch: DraftArch) -> TreeSweep:
         depth = max(self.max_depth, arch.tree_depth)
-        key = replace(arch, tree_depth=depth, total_tokens=1).to_json()  # the draft and top_k, not the tree
-        sw = self.sweeps.get(key)
-        file = self._file(key)
-        if sw is None and file is not None and file.is_file():
-            try:
-                sw = TreeSweep.load(file)
-                self.loaded += 1
-            except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # damaged: recompute
-                logger.warning("ignoring sweep file %s (%s)", file, err)
-        if sw is None or sw.max_depth < arch.tree_depth:
-            draft = NeuralDraft(self.supernet.set_active(arch), name="subnet")
-            sw = TreeSweep.run(draft, self.sequences, self.num_layers, arch.top_k, depth)
-            if file is not None:
-                sw.save(file)
-        self.sweeps[key] = sw
+        key = replace(arch, tree_depth=depth, total_tokens=1).to_json()  # the draft, top_k and depth, not N
+        if key not in self.sweeps:
+            file = self._file(key)
+            sw = self._load(file) if file is not None and file.is_file() else None
+            if sw is None:
+                draft = NeuralDraft(self.supernet.set_active(arch), name="subnet")
+                sw = TreeSweep.run(draft, self.sequences, self.num_layers, arch.top_k, depth)
+                if file is not None:
+                    sw.save(file)
+            self.sweeps[key] = sw
+        return self.sweeps[key]
+
+    def _load(self, file: Path) -> TreeSweep | None:
+        try:
+            sw = TreeSweep.load(file)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # damaged: recompute it
+            logger.warning("ignoring sweep file %s (%s)", file, err)
+            return None
+        self.loaded += 1
         return sw
 
     def __call__(self, arch: DraftArch) -> float:

@@ -19,14 +19,8 @@ from __future__ import annotations
 
 import optuna
 
-from decode.arch import DraftArch
+from decode.arch import DraftArch, max_tree_nodes
 from supernet.space import SearchSpace
-
-
-def max_tree_nodes(depth: int, k: int) -> int:
-    """Draft nodes an EAGLE-2 dynamic tree can hold: k at level 1, then k*k candidates per level
-    (the same bound as supernet.space and hwprofile.latency.tree_tokens)."""
-    return k + (depth - 1) * k * k
 
 
 def _median(values) -> object:
@@ -64,12 +58,11 @@ def suggest_arch(trial: optuna.Trial, space: SearchSpace, entropy_layer: int | N
     for i in range(int(p["depth"])):
         p[f"heads_{i}"] = trial.suggest_categorical(f"heads_{i}", list(space.heads))
         p[f"ffn_{i}"] = trial.suggest_categorical(f"ffn_{i}", list(space.ffn))
-    names = ("draft_vocab", "visual_keep", "tree_depth", "top_k", "total_tokens") if tree else (
-        "draft_vocab", "visual_keep", "top_k")
-    for name in names:
-        p[name] = trial.suggest_categorical(name, list(getattr(space, name)))
-    if not tree:
-        p["tree_depth"], p["total_tokens"] = max(space.tree_depth), max(space.total_tokens)
+    for name in ("draft_vocab", "visual_keep", "tree_depth", "top_k", "total_tokens"):
+        if tree or name not in ("tree_depth", "total_tokens"):
+            p[name] = trial.suggest_categorical(name, list(getattr(space, name)))
+        else:
+            p[name] = max(getattr(space, name))
     return params_to_arch(p, space, entropy_layer)
 
 

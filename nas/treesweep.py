@@ -17,20 +17,17 @@ which is what lets the search pick the best tree for each device (nas/objective.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from decode.arch import TreeSpec
+from decode.arch import TreeSpec, max_tree_nodes
 from decode.drafts.neural import NeuralDraft
 from decode.tree import TreePolicy
 from nas.acceptance import GREEDY, Acceptance, start_replay
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,11 +38,18 @@ class Expansion:
     parents: list[int]
     depth: list[int]
     order: list[int]  # non-root nodes, best first: the order `_build_dynamic` keeps them in
+    kids: dict[int, list[int]] = field(init=False, repr=False)  # node -> its children, from parents
 
-    def accepted(self, depth: int, total: int, cont: list[int], max_depth: int) -> int:
+    def __post_init__(self) -> None:
+        self.kids = {}
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                self.kids.setdefault(p, []).append(i)
+
+    def accepted(self, depth: int, total: int, cont: list[int], root: int, max_depth: int) -> int:
         """Draft tokens the greedy verify accepts for the (depth, total) tree, truncated at max_depth.
 
-        cont[d] is the token expected at depth d below the root (cont[0] is the root itself).
+        cont[root + d] is the token expected at depth d below the root (cont[root] is the root itself).
         """
         kept = set()
         for i in self.order:
@@ -59,24 +63,14 @@ class Expansion:
                 kept.add(p)
                 p = self.parents[p]
         node, d = 0, 0
-        limit = min(depth, max_depth)
-        while d < limit and d + 1 < len(cont):
-            want = cont[d + 1]
-            nxt = next((c for c in self.children(node) if c in kept and self.tokens[c] == want), None)
+        limit = min(depth, max_depth, len(cont) - root - 1)
+        while d < limit:
+            want = cont[root + d + 1]
+            nxt = next((c for c in self.kids.get(node, ()) if c in kept and self.tokens[c] == want), None)
             if nxt is None:
                 break
             node, d = nxt, d + 1
         return d
-
-    def children(self, node: int) -> list[int]:
-        kids = getattr(self, "_kids", None)
-        if kids is None:
-            kids = {}
-            for i, p in enumerate(self.parents):
-                if p >= 0:
-                    kids.setdefault(p, []).append(i)
-            self._kids = kids
-        return kids.get(node, [])
 
 
 def _expansion(tree) -> Expansion:
@@ -96,8 +90,7 @@ def sweep_sequence(draft: NeuralDraft, seq: dict, prompt_len: int, num_layers: i
     t, p = len(ids), prompt_len
     hidden, cont = start_replay(draft, seq, p, num_layers)
     # every node of the expansion is kept: total_tokens at least what a depth-D_max tree can hold
-    full = TreePolicy(spec=TreeSpec(tree_depth=max_depth, top_k=top_k,
-                                    total_tokens=top_k + (max_depth - 1) * top_k * top_k))
+    full = TreePolicy(spec=TreeSpec(tree_depth=max_depth, top_k=top_k, total_tokens=max_tree_nodes(max_depth, top_k)))
     out = []
     for r in range(p, t - 1):
         out.append(_expansion(draft.propose(ids[r], full, GREEDY, None)))
@@ -136,7 +129,7 @@ class TreeSweep:
                 continue
             e, c, r = 1, 0, p
             while e < limit:
-                m = exps[r - p].accepted(depth, total, cont[r:], limit - e - 1)
+                m = exps[r - p].accepted(depth, total, cont, r, limit - e - 1)
                 c += 1
                 hist[m] += 1
                 e += m + 1

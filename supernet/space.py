@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from configs import config_dir
-from decode.arch import FUSIONS, DraftArch
+from decode.arch import FUSIONS, DraftArch, max_tree_nodes
 from decode.errors import UserError
 
 ENTROPY = "entropy"
@@ -113,7 +113,7 @@ class SearchSpace:
 
     # ------------------------------------------------------------------ the verbs
     def _arch(self, fusion, layers, depth, heads, ffn, vocab, keep, td, k, total, entropy_layer) -> DraftArch:
-        total = min(total, _max_tree_nodes(td, k))
+        total = min(total, max_tree_nodes(td, k))
         return DraftArch(fusion=fusion, feature_layers=self.resolve_layers(layers, entropy_layer), depth=depth,
                          heads=tuple(heads), ffn=tuple(ffn), draft_vocab=vocab, visual_keep=keep,
                          tree_depth=td, top_k=k, total_tokens=total)
@@ -168,14 +168,9 @@ class SearchSpace:
             ("tree_depth", arch.tree_depth in self.tree_depth),
             ("top_k", arch.top_k in self.top_k),
             ("total_tokens", arch.total_tokens in self.total_tokens
-             or arch.total_tokens == _max_tree_nodes(arch.tree_depth, arch.top_k)),
+             or arch.total_tokens == max_tree_nodes(arch.tree_depth, arch.top_k)),
         ]
         for name, ok in checks:
             if not ok:
                 raise UserError(f"arch field {name}={getattr(arch, name)!r} is not in search space '{self.name}' "
                                 f"(choices: {getattr(self, name)!r})")
-
-
-def _max_tree_nodes(depth: int, k: int) -> int:
-    """Most draft nodes a dynamic tree can hold: k at level 1, then k*k new candidates per level."""
-    return k + (depth - 1) * k * k

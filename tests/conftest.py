@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -31,14 +32,25 @@ def tiny_prompt(target, text: str = "Tell me about the picture, please.", with_i
     return target.build_prompt(text, photo() if (with_image and target.is_vlm) else None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box OpenMP threads
-    spin against other processes (a 0.3 s test took 12 s with 2 threads under load)."""
+@contextlib.contextmanager
+def single_thread():
+    """One torch thread inside, the previous count restored after (also when the code inside, e.g. a
+    CLI's --threads, changes it). Tiny models gain nothing from intra-op threads, and on a shared 2-core
+    box OpenMP threads spin against other processes (a 0.3 s test took 12 s with 2 threads under load)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test runs single-threaded; module-scoped fixtures use `with single_thread():` themselves
+    (they are set up before this function-scoped fixture)."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture(params=ALL_PRESETS)

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
+from conftest import single_thread
 from decode.arch import DraftArch
 from decode.errors import UserError
 from hwprofile.latency import LatencyModel, tree_tokens
@@ -18,12 +18,9 @@ from hwprofile.schema import TABLE_AXES, Profile
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """A quick measured profile of tiny-llama on this CPU (one thread), through the CLI."""
-    threads = torch.get_num_threads()
     out = tmp_path_factory.mktemp("prof") / "cpu-tiny-llama.json"
-    try:
+    with single_thread():
         assert profile_main(["--target", "tiny-llama", "--quick", "--threads", "1", "--out", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -102,13 +99,9 @@ def test_unknown_hardware_is_refused():
 
 
 def test_predict_writes_a_predicted_profile_latency_model_reads(measured, tmp_path):
-    threads = torch.get_num_threads()
-    out = tmp_path / "h200-tiny-llama.json"
-    try:
-        assert profile_main(["--hardware", "h200", "--target", "tiny-llama", "--quick", "--predict", "--threads", "1",
-                             "--calibration", str(measured), "--out", str(out), "--no-plot"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    out = tmp_path / "h200-tiny-llama.json"  # the autouse one_thread fixture restores the thread count
+    assert profile_main(["--hardware", "h200", "--target", "tiny-llama", "--quick", "--predict", "--threads", "1",
+                         "--calibration", str(measured), "--out", str(out), "--no-plot"]) == 0
     prof = Profile.load(out)
     assert prof.predicted is True and prof.hardware == "h200" and prof.dtype == "bfloat16"
     assert prof.calibrated_from["hardware"] == "cpu" and prof.spec["name"] == "h200"

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import single_thread
 from decode.errors import UserError
 from hwprofile.profile import main as profile_main
 from hwprofile.validate import main as validate_main
@@ -14,12 +15,9 @@ from hwprofile.validate import main as validate_main
 
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory):
-    threads = torch.get_num_threads()
     out = tmp_path_factory.mktemp("val") / "cpu-tiny-llama.json"
-    try:
+    with single_thread():
         profile_main(["--target", "tiny-llama", "--quick", "--threads", "1", "--out", str(out), "--no-plot"])
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -6,9 +6,8 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
 
-from conftest import tiny_target
+from conftest import single_thread, tiny_target
 from decode.datasets import PromptItem
 from decode.draft_model import TargetDims
 from decode.drafts import NeuralDraft
@@ -35,16 +34,12 @@ def trained(tmp_path_factory):
     """A tiny supernet trained briefly so that its drafts accept some tokens."""
     root = tmp_path_factory.mktemp("acc")
     target = tiny_target(TARGET)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         build_data(DataConfig(target=TARGET, prompts="sharegpt:8", space="tiny", mode="regenerate", max_len=56,
                               max_new_tokens=32, topk=16, shard_size=4, out=str(root / "data")), target=target)
         train(TrainConfig(target=TARGET, data=str(root / "data"), out=str(root / "sn"), space="tiny", steps=80,
                           lr=3e-3, warmup=5, unroll=2, n_random=1, ckpt_every=80, reorder_at=20, val_sequences=0,
                           device="cpu", dtype="float32", answer_only=False))
-    finally:
-        torch.set_num_threads(threads)
     data = FeatureData(root / "data", target)
     model = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), data.entropy_layer,
                           data.hot_tokens(128)).attach(target).float().eval()

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 
-from conftest import tiny_prompt, tiny_target
+from conftest import single_thread, tiny_prompt, tiny_target
 from decode.drafts import make_draft
 from decode.errors import UserError
 from decode.speculative import speculative_generate
@@ -36,9 +35,7 @@ def assets(tmp_path_factory):
     """Regenerated data of short prompts, a supernet trained 30 steps, a quick measured CPU profile."""
     root = tmp_path_factory.mktemp("nas")
     target = tiny_target(TARGET)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         # short prompts (the tiny tokenizer spends ~1 token per character) so that answers fit max_len
         build_data(DataConfig(target=TARGET, prompts="sharegpt:6", space="tiny", mode="regenerate", max_len=160,
                               max_new_tokens=24, max_prompt_chars=130, topk=16, out=str(root / "data")), target=target)
@@ -47,8 +44,6 @@ def assets(tmp_path_factory):
                           device="cpu", dtype="float32"))
         profile = measure_profile(ProfileConfig(target=TARGET, space="tiny", quick=True, plot=False), target=target,
                                   progress=False)
-    finally:
-        torch.set_num_threads(threads)
     path = profile.save(root / "profiles" / "cpu-tiny-llava.json")
     return {"root": root, "supernet": str(root / "sn" / "checkpoint"), "profile": str(path)}
 

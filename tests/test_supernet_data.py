@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import supernet.data as data_mod
-from conftest import ALL_PRESETS, tiny_target
+from conftest import ALL_PRESETS, single_thread, tiny_target
 from decode.cli import run_cli
 from decode.datasets import PromptItem, image_prompts
 from decode.errors import UserError
@@ -46,14 +46,9 @@ def _config(out, **kw) -> DataConfig:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "llava"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the autouse one_thread fixture does for function-scoped tests
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(data_mod, "parse_prompt_spec", _fake_spec)
-            build_data(_config(out), target=tiny_target("tiny-llava"))
-    finally:
-        torch.set_num_threads(threads)
+    with single_thread(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data_mod, "parse_prompt_spec", _fake_spec)
+        build_data(_config(out), target=tiny_target("tiny-llava"))
     return out
 
 

@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_target
+from conftest import single_thread, tiny_target
 from decode.draft_model import TargetDims
 from decode.errors import UserError
 from supernet import checkpoint as ckpt
@@ -30,13 +29,9 @@ TARGET = "tiny-llava"
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("sn") / "data"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         build_data(DataConfig(target=TARGET, prompts="sharegpt:10,images:2", space="tiny", max_len=96, topk=16,
                               image_answer_tokens=8, shard_size=4, out=str(out)), target=tiny_target(TARGET))
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
