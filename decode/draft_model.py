@@ -54,7 +54,17 @@ class TargetDims:
         cfg = target.text_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cls(target.hidden_size, int(head_dim), target.vocab_size, target.num_layers,
-                   float(getattr(cfg, "rms_norm_eps", 1e-6)))
+                   float(getattr(cfg, "rms_norm_eps", 1e-6)), rope_theta_of(cfg))
+
+
+def rope_theta_of(cfg) -> float:
+    """The target's rotary base (transformers 5.x: rope_parameters, per layer type for Gemma 3), so that a draft
+    started from the target's layers sees positions the way those layers were trained to."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type: the global layers' base
+        params = params["full_attention"] or {}
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or getattr(cfg, "rope_theta", None) or 10000.0)
 
 
 class DraftModel(nn.Module):
@@ -114,6 +124,36 @@ class DraftModel(nn.Module):
         weight, d2t = rows
         out = torch.full((z.shape[0], self.dims.vocab_size), -float("inf"), device=z.device)
         out[:, d2t] = F.linear(z, weight).float()
+        return out
+
+    def logits_at(self, hidden: torch.Tensor, token_ids: torch.Tensor, shared_ids: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """Logits of chosen tokens only: (n, H) draft hidden, (n, K) per-row target token ids and optional
+        (M,) ids shared by every row -> (n, K + M) fp32 (-inf for tokens outside the draft vocab). Equals
+        logits(hidden) gathered at those ids, at (K + M) / V of the head's cost: a training loss restricted
+        to the target's top-k (plus shared negatives) needs no full-vocabulary matmul."""
+        z = self.norm(hidden)
+        rows = self.head_rows()
+        if rows is None:
+            weight = self._shared[1].weight
+
+            def row_of(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return ids, torch.ones_like(ids, dtype=torch.bool)
+        else:
+            weight, d2t = rows
+            t2d = torch.full((self.dims.vocab_size,), -1, dtype=torch.long, device=d2t.device)
+            t2d[d2t] = torch.arange(d2t.numel(), device=d2t.device)  # target id -> draft row (-1: not drafted)
+
+            def row_of(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                r = t2d[ids]
+                return r.clamp_min(0), r >= 0
+        rk, vk = row_of(token_ids)
+        w = weight[rk]  # (n, K, H)
+        out = torch.einsum("nh,nkh->nk", z.to(w.dtype), w).float().masked_fill(~vk, -float("inf"))
+        if shared_ids is not None and shared_ids.numel():
+            rs, vs = row_of(shared_ids)
+            extra = F.linear(z.to(weight.dtype), weight[rs]).float().masked_fill(~vs[None, :], -float("inf"))
+            out = torch.cat([out, extra], dim=1)  # (n, K + M)
         return out
 
     def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -85,7 +85,9 @@ class TargetModel:
     """A loaded target (model + processor/tokenizer + family quirks) with prefill/tree/keep verbs."""
 
     def __init__(self, model: PreTrainedModel, processor: object, spec: FamilySpec, name: str):
-        self.model = model.eval()
+        # frozen: drafts share its embedding and LM head, and gradients into those (49k x 576 for the default
+        # target, tied) would be computed and accumulated on every training step for nothing
+        self.model = model.eval().requires_grad_(False)
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.spec = spec

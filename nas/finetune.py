@@ -35,6 +35,9 @@ class FinetuneConfig:
     unroll: int = 3
     max_positions: int = 0  # scored positions per sequence and unroll step (0 = all; the CPU demo uses 32)
     grad_clip: float = 1.0
+    loss: str = "topk"  # as supernet.train: the target's top-k + `negatives` frequent tokens, or full
+    negatives: int = 1024
+    full_positions: int = 32
     seed: int = 0
 
     @classmethod
@@ -42,7 +45,9 @@ class FinetuneConfig:
         """Unroll depth and position subsampling as the supernet was trained (its checkpoint's config)."""
         train = state.get("config", {})
         return cls(steps=steps, lr=lr, unroll=int(train.get("unroll", 3)),
-                   max_positions=int(train.get("max_positions", 0)), grad_clip=float(train.get("grad_clip", 1.0)))
+                   max_positions=int(train.get("max_positions", 0)), grad_clip=float(train.get("grad_clip", 1.0)),
+                   loss=str(train.get("loss", "full")), negatives=int(train.get("negatives", 0)),
+                   full_positions=int(train.get("full_positions", 0)))
 
 
 def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, ids: list[int],
@@ -54,7 +59,10 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
-    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions)
+    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, loss=cfg.loss,
+                          full_positions=cfg.full_positions)
+    dev = model.feat_fc.weight.device
+    negatives = data.hot_tokens(min(cfg.negatives, data.vocab_size)).to(dev) if cfg.negatives > 0 else None
     on_gpu = model.feat_fc.weight.device.type == "cuda"
     losses: list[float] = []
     order: list[int] = []
@@ -63,7 +71,7 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
             order = rng.sample(ids, len(ids))
         seq = data[order.pop()]
         with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
-            loss, _ = subnet_losses(model, seq, loss_cfg, seed=cfg.seed * 1_000_003 + step)
+            loss, _ = subnet_losses(model, seq, loss_cfg, seed=cfg.seed * 1_000_003 + step, negatives=negatives)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()

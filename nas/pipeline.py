@@ -112,7 +112,8 @@ def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
     from supernet.dataset import FeatureData
 
     entropy = FeatureData(cfg.run_dir / "data").entropy_layer
-    return build_data(_data_config(cfg, out, **settings, split="heldout", entropy_layer=entropy), target=target)
+    return build_data(_data_config(cfg, out, **{**settings, "regen_batch": 1, "min_answer": 0}, split="heldout",
+                                   entropy_layer=entropy), target=target)
 
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:

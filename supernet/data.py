@@ -10,10 +10,15 @@ Per prompt (TRAIN split of decode.datasets) one sequence is built and run throug
     regenerate  chat-templated prompt + the target's own greedy answer (up to max-len, capped by
                 --max-new-tokens): the draft then learns exactly what the target generates
 
-truncated to --max-len tokens (a prompt whose image would be cut is skipped). The forward stores,
-per token, the target's top-k next-token logits + full logsumexp, the hidden states the search
-space needs (the entropy layer is resolved first, on --calib-prompts prompts spread over the list),
-attention entropy and received attention, image and loss masks (format: supernet/dataset.py).
+truncated to --max-len tokens (a prompt whose image would be cut is skipped). A text prompt too
+long to leave --min-answer answer tokens (when set; the scales set it) keeps its tail, so every
+sequence trains something (held-out data keeps whole prompts: they are what decoding sees). In regenerate mode, --regen-batch > 1 answers the train split's text prompts in
+left-padded batches (supernet/regen.py; refused for the held-out split, whose answers must be exact).
+The forward stores, per token, the target's top-k next-token logits + full logsumexp, the hidden
+states the search space needs (the entropy layer is resolved first, on --calib-prompts prompts
+spread over the list), image and loss masks, and for sequences with an image the attention entropy
+and received attention (zeros on text sequences: they only rank image tokens, and the eager
+attention they need makes the forward several times slower) (format: supernet/dataset.py).
 Shard i always holds prompts [i*S, (i+1)*S); complete shards are skipped on rerun (resume).
 """
 
@@ -59,6 +64,8 @@ class DataConfig:
     image_answer_tokens: int = 64  # teacher mode: greedy answer length for prompts without one (images)
     max_new_tokens: int = 192  # regenerate mode: cap on the target's own answer
     max_prompt_chars: int | None = 2000  # ShareGPT prompts longer than this are not used
+    min_answer: int = 0  # answer tokens every text sequence keeps room for (a longer prompt loses its head); 0 = off
+    regen_batch: int = 1  # regenerate mode, train split: prompts answered together (left-padded batch)
     calib_prompts: int = 8  # first prompts whose attention entropy picks the entropy layer
     entropy_layer: int | None = None  # force the entropy layer (hidden-state index) instead of calibrating
     top_tokens: int = 1024  # most frequent next tokens listed in the manifest
@@ -73,7 +80,13 @@ class DataConfig:
             raise UserError(f"unknown mode '{self.mode}'; use one of: {', '.join(MODES)}")
         if self.max_len < 2:
             raise UserError(f"--max-len must be at least 2 (one trained position), got {self.max_len}")
-        for name in ("topk", "shard_size", "image_answer_tokens", "max_new_tokens", "calib_prompts", "top_tokens"):
+        if self.split == "heldout" and self.mode == "regenerate" and self.regen_batch > 1:
+            raise UserError("held-out answers must be the target's exact greedy continuation, which a padded batch "
+                            "does not guarantee; use --regen-batch 1 for --split heldout")
+        if self.min_answer < 0 or self.min_answer >= self.max_len:
+            raise UserError(f"--min-answer must be in [0, max-len), got {self.min_answer}")
+        for name in ("topk", "shard_size", "image_answer_tokens", "max_new_tokens", "calib_prompts", "top_tokens",
+                     "regen_batch"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
@@ -106,21 +119,45 @@ def _truncate(prompt: Prompt, n: int, image_token_id: int | None) -> Prompt | No
     return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
 
 
+def _keep_tail(prompt: Prompt, config: DataConfig) -> Prompt:
+    """A text prompt too long to leave `min_answer` answer tokens loses its head (the tail, next to the
+    answer, is what the draft conditions on), so that every sequence carries trained positions."""
+    keep = config.max_len - config.min_answer
+    if not config.min_answer or prompt.has_image or prompt.length <= keep:
+        return prompt
+    inputs = {k: (v[:, -keep:] if k in _PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
+    return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
+
+
+def answer_budget(prompt: Prompt, item: PromptItem, config: DataConfig) -> int:
+    """How many answer tokens the target generates for `item` (0 when the dataset answer is used)."""
+    if config.mode == "teacher" and item.answer is not None:
+        return 0
+    budget = config.max_new_tokens if config.mode == "regenerate" else config.image_answer_tokens
+    return max(0, min(budget, config.max_len - prompt.length))
+
+
 def _answer_tokens(target: TargetModel, prompt: Prompt, item: PromptItem, config: DataConfig) -> list[int]:
     room = config.max_len - prompt.length
     if config.mode == "teacher" and item.answer is not None:
         end = target.tokenizer.eos_token_id  # the turn ends with the token the target stops on
         ids = target.tokenizer(item.answer, add_special_tokens=False)["input_ids"][: max(room, 0)]
         return ids + ([int(end)] if end is not None else [])
-    budget = config.max_new_tokens if config.mode == "regenerate" else config.image_answer_tokens
-    n = min(budget, room)
+    n = answer_budget(prompt, item, config)
     return vanilla_generate(target, prompt, n).tokens if n >= 1 else []
 
 
-def build_sequence(target: TargetModel, item: PromptItem, config: DataConfig) -> tuple[Prompt, int] | None:
-    """(prompt + answer truncated to max_len, prompt length) or None when the image does not fit."""
-    prompt = target.build_prompt(item.text, item.image)
-    full = _extend(prompt, _answer_tokens(target, prompt, item, config), target.spec.family)
+def build_prompt(target: TargetModel, item: PromptItem, config: DataConfig) -> Prompt:
+    return _keep_tail(target.build_prompt(item.text, item.image), config)
+
+
+def build_sequence(target: TargetModel, item: PromptItem, config: DataConfig,
+                   answer: list[int] | None = None) -> tuple[Prompt, int] | None:
+    """(prompt + answer truncated to max_len, prompt length) or None when the image does not fit.
+    `answer`: the target's answer when already generated (batched regeneration)."""
+    prompt = build_prompt(target, item, config)
+    tokens = answer if answer is not None else _answer_tokens(target, prompt, item, config)
+    full = _extend(prompt, tokens, target.spec.family)
     full = _truncate(full, config.max_len, target.image_token_id)
     return None if full is None else (full, min(prompt.length, full.length))
 
@@ -141,7 +178,10 @@ def stored_layers(space: SearchSpace, num_layers: int, entropy_layer: int) -> tu
 @torch.no_grad()
 def sequence_features(target: TargetModel, full: Prompt, prompt_len: int, layers: tuple[int, ...], topk: int) -> dict:
     """One target forward over a built sequence -> the per-sequence dict (FeatureData's item format)."""
-    pre = target.prefill(full, feature_layers=layers, attention_stats=True, all_logits=True)
+    # attention statistics (eager attention, every layer's probabilities) only serve image-token selection;
+    # text sequences skip them (zeros stored), which makes their forward several times cheaper
+    has_image = full.has_image
+    pre = target.prefill(full, feature_layers=layers, attention_stats=has_image, all_logits=True)
     logits = pre.logits  # (T, V) fp32
     lse = torch.logsumexp(logits, dim=-1)  # (T,)
     top = logits.topk(topk, dim=-1)  # (T, K), sorted by logit
@@ -161,8 +201,8 @@ def sequence_features(target: TargetModel, full: Prompt, prompt_len: int, layers
         "lse": lse.cpu(),  # (T,)
         "loss_mask": loss,  # (T,) bool
         "image_mask": image,  # (T,) bool
-        "attn_entropy": pre.attn_entropy.T.contiguous().cpu(),  # (T, L) fp32
-        "attn_received": pre.attn_received.cpu(),  # (T,) fp32
+        "attn_entropy": pre.attn_entropy.T.contiguous().cpu() if has_image else torch.zeros(t, target.num_layers),
+        "attn_received": pre.attn_received.cpu() if has_image else torch.zeros(t),  # (T,) fp32
         "prompt_len": torch.tensor(prompt_len, dtype=torch.long),
     }
 
@@ -256,9 +296,10 @@ def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[Prompt
                  layers: tuple[int, ...], meta: dict[str, str], built: dict, bar) -> None:
     """Features of one shard's prompts, written atomically; `entry` (its manifest row) is completed."""
     seqs, ids, skipped = [], [], {}
+    answers = regenerate_batched(target, [p for p in group if p.id not in built], config)
     for item in group:
         bar.set_postfix_str(item.id[:24])
-        seq = built.pop(item.id) if item.id in built else build_sequence(target, item, config)
+        seq = built.pop(item.id) if item.id in built else build_sequence(target, item, config, answers.get(item.id))
         if seq is None:
             skipped[item.id] = f"image cut by max_len {config.max_len}"
             logger.warning("skipping %s: its image tokens do not fit in --max-len %d", item.id, config.max_len)
@@ -271,6 +312,28 @@ def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[Prompt
                                             "sequence_ids": json.dumps(ids), "skipped": json.dumps(skipped),
                                             "sequences": str(len(seqs)), "tokens": str(tokens)})
     entry.update(complete=True, sequence_ids=ids, skipped=skipped, sequences=len(seqs), tokens=tokens)
+
+
+def regenerate_batched(target: TargetModel, items: list[PromptItem], config: DataConfig) -> dict[str, list[int]]:
+    """{prompt id: the target's answer} for the text prompts of `items`, in left-padded batches of
+    config.regen_batch sorted by length (regenerate mode, regen_batch > 1; else empty)."""
+    from supernet.regen import batch_greedy, batchable
+
+    if config.mode != "regenerate" or config.regen_batch <= 1:
+        return {}
+    todo = []
+    for item in items:
+        prompt = build_prompt(target, item, config)
+        n = answer_budget(prompt, item, config)
+        if batchable(prompt) and n >= 1:
+            todo.append((prompt.length, item.id, prompt, n))
+    todo.sort(key=lambda x: x[0])  # similar lengths together: less padding
+    out: dict[str, list[int]] = {}
+    for i in range(0, len(todo), config.regen_batch):
+        chunk = todo[i: i + config.regen_batch]
+        for (_, pid, _, _), answer in zip(chunk, batch_greedy(target, [c[2] for c in chunk], [c[3] for c in chunk])):
+            out[pid] = answer
+    return out
 
 
 def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
@@ -303,7 +366,7 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
     # the settings that shape every shard: a rerun must match them (the prompt list may change: per-shard check)
     content = {"mode": config.mode, "max_len": config.max_len, "topk": config.topk, "layers": list(layers),
                "entropy_layer": int(entropy["layer"]), "image_answer_tokens": config.image_answer_tokens,
-               "max_new_tokens": config.max_new_tokens, "dtype": str(target.dtype).removeprefix("torch."),
+               "max_new_tokens": config.max_new_tokens, "min_answer": config.min_answer, "dtype": str(target.dtype).removeprefix("torch."),
                "format": FORMAT}
     before = (old or {}).get("content", {})
     if old is not None and before != content:
@@ -372,12 +435,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=None, help=f"target logits kept per token (default: {d.topk})")
     p.add_argument("--space", default=d.space,
                    help=f"search space (YAML or name): which layers to store (default: {d.space})")
-    p.add_argument("--shard-size", type=int, default=d.shard_size, help=f"prompts per shard (default: {d.shard_size})")
+    p.add_argument("--shard-size", type=int, default=None, help=f"prompts per shard (default: {d.shard_size})")
     p.add_argument("--out", default=d.out, help=f"data directory (default: {d.out})")
     p.add_argument("--image-answer-tokens", type=int, default=d.image_answer_tokens,
                    help=f"teacher mode: greedy answer length for image prompts (default: {d.image_answer_tokens})")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+    p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"regenerate mode: cap on the target's answer (default: {d.max_new_tokens})")
+    p.add_argument("--min-answer", type=int, default=None,
+                   help="answer tokens each text sequence keeps room for; a longer prompt loses its head "
+                        "(default: 0 = off)")
+    p.add_argument("--regen-batch", type=int, default=None,
+                   help="regenerate mode, train split: prompts answered per left-padded batch (default: 1)")
     p.add_argument("--calib-prompts", type=int, default=d.calib_prompts,
                    help=f"prompts whose attention entropy picks the entropy layer (default: {d.calib_prompts})")
     p.add_argument("--entropy-layer", type=int, default=None, help="use this hidden-state index instead of calibrating")
@@ -404,9 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         preset = scale_defaults(args.scale, "data")
     d = DataConfig()
     pick = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, getattr(d, k))
-            for k in ("prompts", "mode", "max_len", "topk")}
-    config = DataConfig(target=args.target, split=args.split, **pick, space=args.space, shard_size=args.shard_size, out=args.out,
-                        image_answer_tokens=args.image_answer_tokens, max_new_tokens=args.max_new_tokens,
+            for k in ("prompts", "mode", "max_len", "topk", "max_new_tokens", "min_answer", "regen_batch", "shard_size")}
+    pick["max_prompt_chars"] = preset.get("max_prompt_chars", d.max_prompt_chars)
+    if args.split == "heldout" and args.regen_batch is None:
+        pick["regen_batch"] = 1  # the scale's batched regeneration is for training data only
+    config = DataConfig(target=args.target, split=args.split, **pick, space=args.space, out=args.out,
+                        image_answer_tokens=args.image_answer_tokens,
                         calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer, device=args.device,
                         dtype=args.dtype, cache_dir=str(args.cache_dir) if args.cache_dir else None)
     out = build_data(config)

@@ -241,6 +241,19 @@ class FeatureData:
         out["prompt_len"] = t["prompt_len"][s].clone()
         return out
 
+    def scored_positions(self, answer_only: bool = True) -> list[int]:
+        """Per sequence, how many positions a training loss scores (loss_mask, from the answer start when
+        answer_only); reads only the small per-token masks of each shard, not the features."""
+        out: list[int] = []
+        for s in self.shards:
+            with safe_open(str(self.dir / s["file"]), "pt") as f:
+                offsets, plen, mask = f.get_tensor("offsets"), f.get_tensor("prompt_len"), f.get_tensor("loss_mask")
+            for k in range(offsets.numel() - 1):
+                a, b = int(offsets[k]), int(offsets[k + 1])
+                start = a + max(int(plen[k]) - 1, 0) if answer_only else a
+                out.append(int(mask[start:b].sum()) if start < b else 0)
+        return out
+
     def token_counts(self) -> torch.Tensor:
         """(V,) int64: how often each token is a trained next token."""
         if self._counts is None:

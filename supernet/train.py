@@ -3,10 +3,16 @@
     python -m supernet.train --target smolvlm-135m --data out/data-smolvlm-135m --scale demo
     torchrun --nproc_per_node=2 -m supernet.train --target tiny-llava --data DIR --space tiny --steps 20
 
-Each step trains the largest, the smallest and `n_random` random subnets (the same on every rank)
-on this rank's sequences; losses: cross-entropy/KL to the target's next-token distribution +
-smooth-L1 regression of the target's final feature (+ the entropy-layer feature where used), over
-a multi-step unroll (supernet/unroll.py). AdamW, linear warm-up then cosine decay, gradient
+Each step trains the largest, the smallest and `n_random` random subnets (the same on every rank;
+--schedule progressive: the largest alone for the first third of the steps, then elastic depth,
+then the full sandwich) on this rank's sequences. Losses: cross-entropy/KL to the target's
+next-token distribution at every answer position (--loss topk: a softmax over the target's stored
+top-k + --negatives frequent tokens, with --full-positions positions per sequence also scored over
+the whole vocabulary; --loss full: the whole vocabulary, --max-positions per sequence) + smooth-L1
+regression of the target's final feature (+ the entropy-layer feature where used), over a
+multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
+--init-from-target starts the draft layers from the target's last decoder layer (decode/draft_init.py);
+--time-budget-s stops after that much training time (the LR schedule then follows time). AdamW, linear warm-up then cosine decay, gradient
 clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
 exactly: the subnets and sequences of step s derive from (seed, s)), a CSV log, tqdm.
 """
@@ -36,6 +42,7 @@ from decode.loader import load_target
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
+from decode.draft_init import init_from_target
 from supernet.elastic import DraftSupernet
 from supernet.space import SearchSpace
 from supernet.unroll import LossConfig, subnet_losses
@@ -63,17 +70,27 @@ class TrainConfig:
     val_sequences: int = 4
     max_positions: int = 0  # scored positions per sequence and unroll step (0 = all)
     answer_only: bool = True  # score only positions that predict answer tokens (what drafts propose at run time)
+    loss: str = "topk"  # topk: distil over the target's stored top-k + `negatives` frequent tokens | full: whole vocab
+    negatives: int = 1024  # topk loss: the most frequent answer tokens every position also scores (0 = none)
+    full_positions: int = 32  # topk loss: positions per sequence and unroll step also scored over the whole vocabulary
+    init_from_target: bool = False  # draft layers start as the target's last decoder layer (decode/draft_init.py)
+    init_fusion: bool = False  # with init_from_target: identity feat_fc and in_fc = [I, I]
+    schedule: str = "sandwich"  # sandwich from step 0 | progressive: largest, then elastic depth, then everything
     threads: int = 0  # torch intra-op threads (0 = torch's default)
+    time_budget_s: float = 0.0  # > 0: stop after this much training wall-clock (the LR schedule follows time)
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
     resume: bool = False
 
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up to lr, then cosine decay to 10% of it."""
+    def lr_at(self, step: int, elapsed_s: float = 0.0) -> float:
+        """Linear warm-up to lr, then cosine decay to 10% of it; with a time budget the decay follows
+        whichever runs out first, steps or time (so runs of equal wall-clock all end their schedule)."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         t = (step - self.warmup) / max(1, self.steps - self.warmup)
+        if self.time_budget_s > 0:
+            t = max(t, elapsed_s / self.time_budget_s)
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -86,10 +103,23 @@ def scale_defaults(scale: str, section: str) -> dict:
 
 
 def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig):
-    """(role, arch) pairs for this step: largest, smallest, then random ones seeded by (seed, step)."""
+    """(role, arch) pairs for this step: largest, smallest, then random ones seeded by (seed, step).
+
+    schedule progressive (once-for-all's progressive shrinking): the first third of the steps train
+    the largest subnet alone; the second third adds random subnets of elastic depth at the largest
+    widths; the last third is the full sandwich."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     space, e = model.space, model.entropy_layer
-    pairs = [("largest", space.largest(e)), ("smallest", space.smallest(e))]
+    largest = space.largest(e)
+    if cfg.schedule == "progressive" and step < cfg.steps // 3:
+        return [("largest", largest)]
+    if cfg.schedule == "progressive" and step < 2 * cfg.steps // 3:
+        out = [("largest", largest)]
+        for i in range(cfg.n_random + 1):
+            arch = space.sample(rng, e)
+            out.append((f"depth{i}", replace(arch, heads=largest.heads[: arch.depth], ffn=largest.ffn[: arch.depth])))
+        return out
+    pairs = [("largest", largest), ("smallest", space.smallest(e))]
     return pairs + [(f"random{i}", space.sample(rng, e)) for i in range(cfg.n_random)]
 
 
@@ -110,7 +140,7 @@ def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: 
     for role, arch in (("largest", model.space.largest(model.entropy_layer)),
                        ("smallest", model.space.smallest(model.entropy_layer))):
         model.set_active(arch)
-        stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0))[1] for i in ids]
+        stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0, loss="full"))[1] for i in ids]
         keys = {k for s in stats for k in s}
         # sequences without scored positions lack the per-step figures: average over those that have them
         out[role] = {k: sum(s[k] for s in stats if k in s) / max(1, sum(k in s for s in stats)) for k in sorted(keys)}
@@ -136,6 +166,10 @@ def train(cfg: TrainConfig) -> Path:
     reduced = [v for v in space.draft_vocab if v is not None]
     hot = data.hot_tokens(max(reduced)) if reduced else None
     model = DraftSupernet(space, TargetDims.of(target), data.entropy_layer, hot).attach(target, init_head=True)
+    if cfg.init_from_target and not cfg.resume:
+        src = init_from_target(model, target, feature_layers=(-1,), fusion=cfg.init_fusion)
+        model.reorder_by_importance()  # narrower subnets start from the target layer's most important heads/channels
+        logger.info("draft layers start from target decoder layer %d", src)
     model.float().train()  # fp32 master weights; bf16 autocast on GPU
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -147,36 +181,59 @@ def train(cfg: TrainConfig) -> Path:
         logger.info("resumed from %s at step %d", ck_dir, start)
     n_val = min(cfg.val_sequences, max(0, len(data) - 1))
     val_ids = list(range(len(data) - n_val, len(data)))
-    n_train = len(data) - n_val
-    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, answer_only=cfg.answer_only)
+    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, answer_only=cfg.answer_only,
+                          loss=cfg.loss, full_positions=cfg.full_positions)
+    # no wasted steps: sequences without a scored position (the prompt fills max_len) are never drawn
+    scored = data.scored_positions(cfg.answer_only)
+    train_ids = [i for i in range(len(data) - n_val) if scored[i] > 0]
+    if not train_ids:
+        raise UserError(f"no training sequence in {cfg.data} has a scored answer position; rebuild the data with a "
+                        "larger --max-len or --min-answer")
+    if len(train_ids) < len(data) - n_val:
+        logger.info("%d of %d training sequences have no answer position within max_len; they are skipped",
+                    len(data) - n_val - len(train_ids), len(data) - n_val)
+    n_train = len(train_ids)
+    negatives = data.hot_tokens(min(cfg.negatives, target.vocab_size)).to(target.device) \
+        if cfg.loss == "topk" and cfg.negatives > 0 else None
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "train_log.csv"
-    fields_ = ["step", "role", "lr", "loss", "kl0", "acc0", "arch", "elapsed_s"]
+    fields_ = ["step", "role", "lr", "loss", "kl0", "acc0", "positions", "arch", "elapsed_s"]
     if d.main and (start == 0 or not log_file.exists()):
         with log_file.open("w", newline="") as f:
             csv.writer(f).writerow(fields_)
+    elif d.main:  # a resumed run redoes the steps after its checkpoint: drop their rows (a killed run logged them)
+        with log_file.open(newline="") as f:
+            kept = [r for r in csv.reader(f)]
+        with log_file.open("w", newline="") as f:
+            csv.writer(f).writerows([kept[0]] + [r for r in kept[1:] if r and int(r[0]) < start])
     on_gpu = target.device.type == "cuda"
     t0 = time.perf_counter()
     bar = tqdm(range(start, cfg.steps), desc="supernet", disable=not d.main, initial=start, total=cfg.steps)
     for step in bar:
-        lr = cfg.lr_at(step)
+        if cfg.time_budget_s > 0 and time.perf_counter() - t0 >= cfg.time_budget_s:
+            logger.info("time budget of %.0f s reached after %d steps", cfg.time_budget_s, step)
+            if step > start:
+                _save(ck_dir, model, opt, step, cfg, space, target, data, d)
+            break
+        lr = cfg.lr_at(step, time.perf_counter() - t0)
         for group in opt.param_groups:
             group["lr"] = lr
         rows = []
-        seqs = sequence_ids(step, cfg, n_train, d.rank, d.world)
+        seqs = [train_ids[k] for k in sequence_ids(step, cfg, n_train, d.rank, d.world)]
         roles = sandwich(model, step, cfg)
         for role, arch in roles:
             model.set_active(arch)
             agg: dict[str, float] = {}
             for i in seqs:
                 with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
-                    loss, stats = subnet_losses(model, data[i], loss_cfg, seed=step * 100_003 + i)
+                    loss, stats = subnet_losses(model, data[i], loss_cfg, seed=step * 100_003 + i, negatives=negatives)
                 if loss.requires_grad:  # a sequence with no scored position (all prompt) adds nothing
                     (loss / (len(seqs) * len(roles))).backward()
                 for k, v in stats.items():
-                    agg[k] = agg.get(k, 0.0) + v / len(seqs)
+                    agg[k] = agg.get(k, 0.0) + (v if k.startswith("n") else v / len(seqs))
             rows.append([step, role, f"{lr:.3g}", f"{agg.get('loss', 0):.4f}", f"{agg.get('kl0', 0):.4f}",
-                         f"{agg.get('acc0', 0):.3f}", arch.to_json(), f"{time.perf_counter() - t0:.1f}"])
+                         f"{agg.get('acc0', 0):.3f}", int(sum(v for k, v in agg.items() if k[0] == "n" and k[1:].isdigit())),
+                         arch.to_json(), f"{time.perf_counter() - t0:.1f}"])
         average_gradients(params, d)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
@@ -240,6 +297,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = replace(cfg, **overrides)
     if cfg.steps < 1 or cfg.seqs_per_step < 1 or cfg.unroll < 1:
         raise UserError("steps, seqs-per-step and unroll must be >= 1")
+    if cfg.loss not in ("topk", "full"):
+        raise UserError(f"--loss must be topk or full, got {cfg.loss!r}")
+    if cfg.schedule not in ("sandwich", "progressive"):
+        raise UserError(f"--schedule must be sandwich or progressive, got {cfg.schedule!r}")
     return cfg
 
 

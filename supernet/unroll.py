@@ -33,6 +33,12 @@ class LossConfig:
     aux_weight: float = 0.1  # entropy-layer feature regression, where the arch uses that layer
     max_positions: int = 0  # > 0: score only this many (seeded) positions per step; the LM head dominates on CPU
     answer_only: bool = True  # score positions that predict answer tokens (what a draft proposes at run time)
+    loss: str = "topk"  # topk: softmax over the target's stored top-k + shared negatives | full: whole vocabulary
+    full_positions: int = 32  # topk loss: also this many (seeded) positions per step with the full-vocabulary loss
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("topk", "full"):
+            raise ValueError(f"unknown loss '{self.loss}'; use topk or full")
 
 
 def unroll_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -44,6 +50,18 @@ def unroll_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def _ce_kl(logq: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor):
+    """(n, K) draft log-probs of the target's top-k (−inf: cannot say) -> per-row CE and KL against the
+    target's top-k probabilities exp(l - lse), renormalised over the tokens the draft can say."""
+    p = torch.exp(topk_logits.float() - lse.float()[:, None])
+    p = torch.where(torch.isfinite(logq), p, torch.zeros_like(p))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    logq = torch.where(torch.isfinite(logq), logq, torch.zeros_like(logq))
+    ce = -(p * logq).sum(-1)
+    kl = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)
+    return ce, kl
+
+
 def target_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor):
     """Cross-entropy of the draft against the target's top-k distribution, and the KL for logging.
 
@@ -52,13 +70,20 @@ def target_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logits: torch.T
     dropped and p renormalised over the rest (a reduced-vocab draft is judged on what it can say).
     """
     logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, topk_ids)  # (n, K)
-    p = torch.exp(topk_logits.float() - lse.float()[:, None])
-    p = torch.where(torch.isfinite(logq), p, torch.zeros_like(p))
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
-    logq = torch.where(torch.isfinite(logq), logq, torch.zeros_like(logq))
-    ce = -(p * logq).sum(-1)
-    kl = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)
-    return ce, kl
+    return _ce_kl(logq, topk_logits, lse)
+
+
+def topk_ce(logits_c: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor):
+    """Cross-entropy and KL of the draft against the target over candidate tokens only.
+
+    logits_c (n, K + M) draft logits of the target's top-k ids, then of M shared negatives (the most
+    frequent answer tokens, −inf where they repeat a top-k id), −inf where the draft cannot say a
+    token. The target's probability is exp(l - lse) on its top-k and 0 on the negatives (they lie
+    outside its top-k), renormalised over the top-k; the draft's softmax runs over all K + M. So the
+    draft learns to rank the target's candidates and to keep common intruders below them, at
+    K + M head rows instead of V. With K = V it is exactly target_kl."""
+    logq = torch.log_softmax(logits_c.float(), dim=-1)[:, : topk_logits.shape[1]]  # (n, K)
+    return _ce_kl(logq, topk_logits, lse)
 
 
 def visible_positions(arch: DraftArch, image_mask: torch.Tensor, attn_received: torch.Tensor) -> torch.Tensor:
@@ -72,8 +97,11 @@ def visible_positions(arch: DraftArch, image_mask: torch.Tensor, attn_received: 
     return keep.nonzero().flatten()
 
 
-def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 0,
+                  negatives: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss of the active subnet on one sequence (scalar) and logging figures.
+
+    negatives (M,) target token ids every position of the topk loss also scores (see topk_ce).
 
     seed picks the scored positions when cfg.max_positions limits them (the same for every subnet
     of a step, so the sandwich compares like with like)."""
@@ -115,15 +143,36 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 
             pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed * 31 + step))
             valid = torch.zeros_like(valid)
             valid[idx[pick[: cfg.max_positions].to(idx.device)]] = True
-        logits = model.logits(h[valid])  # (n, V)
-        ce, kl = target_kl(logits, topk_ids[valid], topk_logits[valid], lse[valid])
+        anchor = torch.zeros((), device=dev)  # topk loss: the full-vocabulary term on a few positions
+        if cfg.loss == "topk":
+            ids_k = topk_ids[valid]  # (n, K)
+            logits = model.logits_at(h[valid], ids_k, negatives)  # (n, K + M)
+            if negatives is not None and negatives.numel():  # a negative that is one of the row's top-k counts once
+                dup = (negatives.to(dev)[None, None, :] == ids_k[:, :, None]).any(1)  # (n, M)
+                logits[:, ids_k.shape[1]:] = logits[:, ids_k.shape[1]:].masked_fill(dup, -float("inf"))
+            ce, kl = topk_ce(logits, topk_logits[valid], lse[valid])
+            top1 = logits.argmax(-1) == 0  # the draft ranks the target's top token above the other candidates
+            if cfg.full_positions:
+                # the candidate softmax never sees most of the vocabulary, so nothing stops a rare token from
+                # drifting above the candidates in the full argmax (measured: held-out tau fell to 1.07); a few
+                # full-vocabulary positions per step keep every logit in place
+                idx = valid.nonzero().flatten()
+                pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed * 37 + step))
+                sub = idx[pick[: cfg.full_positions].to(idx.device)]
+                full_ce, _ = target_kl(model.logits(h[sub]), topk_ids[sub], topk_logits[sub], lse[sub])
+                anchor = full_ce.mean()
+        else:
+            logits = model.logits(h[valid])  # (n, V)
+            ce, kl = target_kl(logits, topk_ids[valid], topk_logits[valid], lse[valid])
+            top1 = logits.argmax(-1) == topk_ids[valid][:, 0]
         feat = F.smooth_l1_loss(h[valid].float(), last[keep][valid].float())
-        loss = cfg.kl_weight * ce.mean() + cfg.feat_weight * feat
+        loss = cfg.kl_weight * (ce.mean() + anchor) + cfg.feat_weight * feat
         if aux_target is not None:
             loss = loss + cfg.aux_weight * F.smooth_l1_loss(model.aux_proj(h[valid]).float(), aux_target[valid].float())
         total = total + (cfg.decay ** step) * loss
         stats[f"kl{step}"] = float(kl.detach().mean())
-        stats[f"acc{step}"] = float((logits.argmax(-1) == topk_ids[valid][:, 0]).float().mean())  # top-1 agreement
+        stats[f"acc{step}"] = float(top1.float().mean())  # top-1 agreement (among the K for the topk loss)
+        stats[f"n{step}"] = float(valid.sum())  # scored positions
         # next step: each position is fed the draft's own output at the previous position
         g = torch.cat([h.new_zeros(1, h.shape[1]), h[:-1]])
     stats["loss"] = float(total.detach())

@@ -1,0 +1,219 @@
+"""The sample-efficiency levers of supernet training: drafts started from the target's layers, batched
+self-distilled answers, the top-k candidate loss, no wasted steps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import supernet.data as data_mod
+from conftest import single_thread, tiny_target
+from decode.arch import DraftArch
+from decode.datasets import PromptItem
+from decode.draft_init import expand_kv_rows, init_from_target, source_layer
+from decode.draft_model import DraftModel, TargetDims
+from decode.errors import UserError
+from decode.vanilla import vanilla_generate
+from supernet.data import DataConfig, build_sequence
+from supernet.elastic import DraftSupernet
+from supernet.regen import batch_greedy
+from supernet.space import SearchSpace
+from supernet.unroll import LossConfig, subnet_losses, target_kl, topk_ce
+
+
+# ---------------------------------------------------------------- start from the target
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_draft_layer_started_from_target_computes_the_target_layer(name):
+    target = tiny_target(name)
+    cfg = target.text_config
+    dims = TargetDims.of(target)
+    arch = DraftArch(fusion="concat", feature_layers=(-1,), depth=1, heads=(cfg.num_attention_heads,),
+                     ffn=(cfg.intermediate_size,))
+    draft = DraftModel(arch, dims).attach(target)
+    src = init_from_target(draft, target)
+    assert src == target.num_layers - 1  # feature layer -1: the last decoder layer
+    t_layer = target.decoder.layers[src]
+    q_heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    assert kv_heads < q_heads  # the tiny targets use grouped KV heads: the expansion is exercised
+    mine = draft.layers[0]
+    assert torch.equal(mine.attn.q_proj.weight, t_layer.self_attn.q_proj.weight)
+    assert torch.equal(mine.mlp.down_proj.weight, t_layer.mlp.down_proj.weight)
+    k = t_layer.self_attn.k_proj.weight.view(kv_heads, dims.head_dim, -1)
+    for h in range(q_heads):  # query head h reads KV head h // group
+        rows = mine.attn.k_proj.weight[h * dims.head_dim: (h + 1) * dims.head_dim]
+        assert torch.equal(rows, k[h // (q_heads // kv_heads)])
+    # and the layer computes what the target's layer computes (same rotary base, same causal attention)
+    n = 6
+    x = torch.randn(1, n, dims.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    out = t_layer(x, attention_mask=mask, position_ids=pos, position_embeddings=target.decoder.rotary_emb(x, pos))
+    out = out[0] if isinstance(out, tuple) else out
+    mine_out, _ = mine(x[0], pos[0], torch.ones(n, n, dtype=torch.bool).tril(), None, dims.rope_theta)
+    torch.testing.assert_close(mine_out, out[0], rtol=1e-5, atol=1e-5)
+    # identity fusion on request: the layer input is embed(token) + the target feature
+    init_from_target(draft, target, fusion=True)
+    feat = torch.randn(3, dims.hidden_size)
+    torch.testing.assert_close(draft.project_features(feat), feat)
+
+
+def test_source_layer_and_kv_expansion():
+    assert source_layer(30, (-1,)) == 29
+    assert source_layer(30, (8, 16)) == 16  # hidden state 16 feeds decoder layer 16
+    w = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2 * 3, 4)  # 2 KV heads of dim 3
+    e = expand_kv_rows(w, q_heads=4, kv_heads=2, head_dim=3)
+    assert torch.equal(e, torch.cat([w[:3], w[:3], w[3:], w[3:]]))
+    with pytest.raises(UserError):
+        expand_kv_rows(w, q_heads=3, kv_heads=2, head_dim=3)
+
+
+def test_narrower_subnets_take_importance_ordered_slices_of_the_target_layer():
+    target = tiny_target("tiny-llama")
+    space = SearchSpace.load("tiny")
+    net = DraftSupernet(space, TargetDims.of(target), 1).attach(target)
+    init_from_target(net, target, feature_layers=(-1,))
+    t_layer = target.decoder.layers[target.num_layers - 1]
+    d = net.dims.head_dim
+    o = t_layer.self_attn.o_proj.weight
+    head_order = o.view(o.shape[0], -1, d).norm(dim=(0, 2)).argsort(descending=True)
+    chan_order = t_layer.mlp.down_proj.weight.norm(dim=0).argsort(descending=True)
+    net.reorder_by_importance()
+    arch = replace(net.space.smallest(1), fusion="concat", feature_layers=(-1,), depth=1, heads=(2,), ffn=(32,))
+    sub = net.extract(arch)
+    q = t_layer.self_attn.q_proj.weight.view(-1, d, o.shape[0])
+    assert torch.equal(sub.layers[0].attn.q_proj.weight, q[head_order[:2]].reshape(2 * d, -1))
+    assert torch.equal(sub.layers[0].mlp.gate_proj.weight, t_layer.mlp.gate_proj.weight[chan_order[:32]])
+    assert torch.equal(sub.layers[0].mlp.down_proj.weight, t_layer.mlp.down_proj.weight[:, chan_order[:32]])
+
+
+# ---------------------------------------------------------------- batched self-distilled answers
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Hi", "List three colours and a fruit."]
+
+
+def test_batched_answers_equal_one_at_a_time():
+    with single_thread():
+        target = tiny_target("tiny-llama")
+        prompts = [target.build_prompt(t) for t in PROMPTS]
+        assert len({p.length for p in prompts}) > 1  # padding is exercised
+        budgets = [12, 7, 12, 3]
+        batched = batch_greedy(target, prompts, budgets)
+        for p, n, got in zip(prompts, budgets, batched):
+            assert got == vanilla_generate(target, p, n).tokens
+
+
+def test_heldout_data_refuses_batched_regeneration():
+    with pytest.raises(UserError, match="regen-batch 1"):
+        DataConfig(split="heldout", mode="regenerate", regen_batch=8).check()
+    DataConfig(split="train", mode="regenerate", regen_batch=8).check()
+
+
+def test_regenerated_batch_sequences_match_one_at_a_time():
+    target = tiny_target("tiny-llama")
+    items = [PromptItem(f"sharegpt:x{i}", t, None, None) for i, t in enumerate(PROMPTS)]
+    cfg = DataConfig(target="tiny-llama", mode="regenerate", max_len=64, max_new_tokens=10, regen_batch=3)
+    with single_thread():
+        answers = data_mod.regenerate_batched(target, items, cfg)
+        assert set(answers) == {i.id for i in items}
+        for item in items:
+            full, plen = build_sequence(target, item, replace(cfg, regen_batch=1))
+            assert full.input_ids[0, plen:].tolist() == answers[item.id]
+
+
+def test_long_prompt_keeps_its_tail_and_room_for_the_answer():
+    target = tiny_target("tiny-llama")
+    item = PromptItem("sharegpt:long", "word " * 200, None, "a short answer that is long enough to fill it")
+    cfg = DataConfig(target="tiny-llama", mode="teacher", max_len=64, min_answer=16)
+    full, plen = build_sequence(target, item, cfg)
+    assert full.length == 64 and plen == 64 - 16  # min_answer answer tokens kept
+    whole_cfg = replace(cfg, min_answer=0)  # off: the prompt fills max_len, nothing to train (held-out data)
+    assert build_sequence(target, item, whole_cfg)[1] == 64
+    whole = target.build_prompt(item.text)
+    assert full.input_ids[0, :plen].tolist() == whole.input_ids[0, -plen:].tolist()
+
+
+# ---------------------------------------------------------------- the loss
+
+def _tiny_supernet(target):
+    space = SearchSpace.load("tiny")
+    torch.manual_seed(0)
+    return DraftSupernet(space, TargetDims.of(target), 1, torch.arange(target.vocab_size)).attach(
+        target, init_head=True).float()
+
+
+def _sequence(target, topk: int) -> dict:
+    item = PromptItem("sharegpt:seq", "Tell me about the sea and the sky.", None, "It is blue, wide and deep.")
+    cfg = DataConfig(target=target.name, mode="teacher", max_len=64, topk=topk, space="tiny", entropy_layer=1)
+    return data_mod.features_on_the_fly(target, item, cfg)
+
+
+def _feat(net, seq) -> torch.Tensor:
+    """The feature-regression part of a one-step loss (weight 0.2 included by the caller)."""
+    _, stats = subnet_losses(net, seq, LossConfig(unroll=1, answer_only=False, loss="full", kl_weight=0.0))
+    return torch.tensor(stats["loss"]) / 0.2
+
+
+@pytest.mark.parametrize("vocab", [None, 128])
+def test_topk_loss_equals_full_loss_over_the_whole_vocabulary(vocab):
+    """With the stored top-k covering the vocabulary (and every position scored), the candidate loss is
+    the full-vocabulary loss, for the target's head and for a hot-token head."""
+    target = tiny_target("tiny-llama")
+    net = _tiny_supernet(target)
+    arch = replace(net.space.largest(1), draft_vocab=vocab, fusion="concat")
+    net.set_active(arch)
+    seq = _sequence(target, topk=target.vocab_size)
+    full_cfg = LossConfig(unroll=2, answer_only=False, loss="full")
+    topk_cfg = replace(full_cfg, loss="topk", full_positions=0)
+    full, fs = subnet_losses(net, seq, full_cfg)
+    mine, ms = subnet_losses(net, seq, topk_cfg, negatives=torch.arange(40))  # all duplicates of the top-k
+    torch.testing.assert_close(mine, full, rtol=1e-5, atol=1e-5)
+    assert fs["acc0"] == pytest.approx(ms["acc0"]) and fs["n0"] == ms["n0"] > 0
+    # the full-vocabulary anchor on a few positions adds exactly its own term
+    anchored, _ = subnet_losses(net, seq, replace(topk_cfg, full_positions=10 ** 6, unroll=1), negatives=torch.arange(40))
+    plain, _ = subnet_losses(net, seq, replace(topk_cfg, unroll=1), negatives=torch.arange(40))
+    torch.testing.assert_close(anchored, 2 * plain - 0.2 * _feat(net, seq), rtol=1e-4, atol=1e-4)
+
+
+def test_candidate_loss_pieces():
+    target = tiny_target("tiny-llama")
+    net = _tiny_supernet(target)
+    h = torch.randn(5, net.dims.hidden_size)
+    ids = torch.randint(0, target.vocab_size, (5, 4))
+    neg = torch.tensor([3, 9, 11])
+    got = net.logits_at(h, ids, neg)  # (5, 7)
+    full = net.logits(h)
+    torch.testing.assert_close(got[:, :4], full.gather(1, ids))
+    torch.testing.assert_close(got[:, 4:], full[:, neg])
+    # the candidate CE only sees the K + M columns; with a single candidate the draft is always right
+    ce, kl = topk_ce(got[:, :1], torch.zeros(5, 1), torch.zeros(5))
+    assert torch.allclose(ce, torch.zeros(5)) and torch.allclose(kl, torch.zeros(5))
+    # target_kl and topk_ce agree when the candidates are the whole vocabulary
+    all_ids = torch.arange(target.vocab_size)[None].expand(5, -1)
+    t_logits = torch.randn(5, target.vocab_size)
+    lse = torch.logsumexp(t_logits, -1)
+    ce1, _ = target_kl(full, all_ids, t_logits, lse)
+    ce2, _ = topk_ce(net.logits_at(h, all_ids), t_logits, lse)
+    torch.testing.assert_close(ce1, ce2)
+
+
+def test_scored_positions_counts_answer_positions(tmp_path, monkeypatch):
+    items = [PromptItem("sharegpt:a", "Say something nice about the sea.", None, "The sea is wide and calm today."),
+             PromptItem("sharegpt:b", "word " * 100, None, "short")]
+    monkeypatch.setattr(data_mod, "parse_prompt_spec", lambda *a, **k: list(items))
+    target = tiny_target("tiny-llama")
+    cfg = DataConfig(target="tiny-llama", mode="teacher", max_len=48, min_answer=4, topk=4, space="tiny",
+                     shard_size=1, entropy_layer=1, out=str(tmp_path / "d"))
+    with single_thread():
+        data_mod.build_data(cfg, target=target)
+    from supernet.dataset import FeatureData
+
+    data = FeatureData(tmp_path / "d", target)
+    counts = data.scored_positions(answer_only=True)
+    for i, n in enumerate(counts):
+        seq = data[i]
+        start = int(seq["prompt_len"]) - 1
+        assert n == int(seq["loss_mask"][start:].sum()) > 0  # the long prompt kept room for its answer
+    assert data.scored_positions(answer_only=False)[0] == int(data[0]["loss_mask"].sum())
