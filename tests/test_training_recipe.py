@@ -217,3 +217,20 @@ def test_scored_positions_counts_answer_positions(tmp_path, monkeypatch):
         start = int(seq["prompt_len"]) - 1
         assert n == int(seq["loss_mask"][start:].sum()) > 0  # the long prompt kept room for its answer
     assert data.scored_positions(answer_only=False)[0] == int(data[0]["loss_mask"].sum())
+
+
+def test_progressive_schedule_opens_depth_then_everything():
+    from supernet.train import TrainConfig, sandwich
+
+    target = tiny_target("tiny-llama")
+    net = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), 1)
+    cfg = TrainConfig(target="t", data="d", out="o", steps=30, n_random=2, schedule="progressive")
+    largest = net.space.largest(1)
+    assert sandwich(net, 0, cfg) == [("largest", largest)]  # first third: the largest alone
+    mid = sandwich(net, 15, cfg)
+    assert mid[0] == ("largest", largest) and len(mid) == 4
+    for _, arch in mid[1:]:  # elastic depth at the largest widths
+        assert arch.heads == largest.heads[: arch.depth] and arch.ffn == largest.ffn[: arch.depth]
+    late = sandwich(net, 25, cfg)
+    assert [r for r, _ in late] == ["largest", "smallest", "random0", "random1"]
+    assert sandwich(net, 0, TrainConfig(target="t", data="d", out="o", n_random=1))[1][0] == "smallest"
