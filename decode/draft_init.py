@@ -1,4 +1,4 @@
-"""Start a neural draft from the target itself: its decoder layer, its final norm, identity fusion.
+"""Start a neural draft from the target itself: its decoder layer (and, on request, identity fusion).
 
 A draft trained from random weights on a few thousand CPU-affordable positions memorises; a draft
 whose layers begin as the target's own last decoder layer already computes the right kind of
@@ -105,7 +105,7 @@ def init_from_target(draft: nn.Module, target, feature_layers: tuple[int, ...] |
     dims = draft.dims
     q_heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or q_heads)
-    if dims.head_dim * q_heads != attn_width(target):
+    if dims.head_dim * q_heads != target.decoder.layers[0].self_attn.q_proj.weight.shape[0]:
         raise UserError("the target's attention width is not heads x head_dim; cannot start from its layers")
     src = source_layer(target.num_layers, tuple(feature_layers or draft.arch.feature_layers))
     t_layer = target.decoder.layers[src]
@@ -116,22 +116,13 @@ def init_from_target(draft: nn.Module, target, feature_layers: tuple[int, ...] |
     h = dims.hidden_size
     draft.feat_fc.weight.zero_()
     draft.feat_fc.bias.zero_()
-    blocks = draft.feat_fc.weight.shape[1] // h
-    last_block = _last_block(draft, blocks)
-    draft.feat_fc.weight[:, last_block * h: (last_block + 1) * h] = torch.eye(h, dtype=draft.feat_fc.weight.dtype)
+    # feat_fc's column blocks follow the supernet's layer union (canonical numbering) or the arch's layers
+    n = dims.num_layers
+    layers = [normalize_layer(x, n) for x in (getattr(draft, "union", None) or draft.arch.feature_layers)]
+    last = layers.index(n) if n in layers else len(layers) - 1  # the block of the target's final hidden state
+    draft.feat_fc.weight[:, last * h: (last + 1) * h] = torch.eye(h, dtype=draft.feat_fc.weight.dtype)
     if draft.in_fc is not None:
         eye = torch.eye(h, dtype=draft.in_fc.weight.dtype)
         draft.in_fc.weight.copy_(torch.cat([eye, eye], dim=1))
     return src
 
-
-def attn_width(target) -> int:
-    return int(target.decoder.layers[0].self_attn.q_proj.weight.shape[0])
-
-
-def _last_block(draft: nn.Module, blocks: int) -> int:
-    """Which feat_fc column block holds the target's final hidden state (the supernet orders blocks by its union)."""
-    n = draft.dims.num_layers
-    layers = getattr(draft, "union", None) or tuple(normalize_layer(x, n) for x in draft.arch.feature_layers)
-    canon = [normalize_layer(x, n) for x in layers]
-    return canon.index(n) if n in canon else blocks - 1

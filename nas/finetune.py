@@ -23,7 +23,7 @@ from tqdm import tqdm
 from decode.arch import DraftArch
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
-from supernet.unroll import LossConfig, subnet_losses
+from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,7 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
     rng = random.Random(cfg.seed)
     loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, loss=cfg.loss,
                           full_positions=cfg.full_positions)
-    dev = model.feat_fc.weight.device
-    negatives = data.hot_tokens(min(cfg.negatives, data.vocab_size)).to(dev) if cfg.negatives > 0 else None
+    negatives = loss_negatives(data, cfg.negatives if cfg.loss == "topk" else 0, model.feat_fc.weight.device)
     on_gpu = model.feat_fc.weight.device.type == "cuda"
     losses: list[float] = []
     order: list[int] = []

@@ -12,8 +12,8 @@ the whole vocabulary; --loss full: the whole vocabulary, --max-positions per seq
 regression of the target's final feature (+ the entropy-layer feature where used), over a
 multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
 --init-from-target starts the draft layers from the target's last decoder layer (decode/draft_init.py);
---time-budget-s stops after that much training time (the LR schedule then follows time). AdamW, linear warm-up then cosine decay, gradient
-clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
+--time-budget-s stops after that much training time (the LR schedule then follows time). AdamW,
+linear warm-up then cosine decay, gradient clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
 exactly: the subnets and sequences of step s derive from (seed, s)), a CSV log, tqdm.
 """
 
@@ -36,16 +36,16 @@ from tqdm import tqdm
 
 from configs import config_dir
 from decode.cli import add_target_args, run_cli, setup_logging
+from decode.draft_init import init_from_target
 from decode.draft_model import TargetDims
 from decode.errors import UserError
 from decode.loader import load_target
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
-from decode.draft_init import init_from_target
 from supernet.elastic import DraftSupernet
 from supernet.space import SearchSpace
-from supernet.unroll import LossConfig, subnet_losses
+from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +193,7 @@ def train(cfg: TrainConfig) -> Path:
         logger.info("%d of %d training sequences have no answer position within max_len; they are skipped",
                     len(data) - n_val - len(train_ids), len(data) - n_val)
     n_train = len(train_ids)
-    negatives = data.hot_tokens(min(cfg.negatives, target.vocab_size)).to(target.device) \
-        if cfg.loss == "topk" and cfg.negatives > 0 else None
+    negatives = loss_negatives(data, cfg.negatives if cfg.loss == "topk" else 0, target.device)
     out.mkdir(parents=True, exist_ok=True)
     log_file = out / "train_log.csv"
     fields_ = ["step", "role", "lr", "loss", "kl0", "acc0", "positions", "arch", "elapsed_s"]

@@ -97,6 +97,17 @@ def visible_positions(arch: DraftArch, image_mask: torch.Tensor, attn_received: 
     return keep.nonzero().flatten()
 
 
+def seeded_subset(idx: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """At most n entries of idx (1-D), drawn by a seeded permutation (the same for every subnet of a step)."""
+    pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))
+    return idx[pick[:n].to(idx.device)]
+
+
+def loss_negatives(data, n: int, device: torch.device) -> torch.Tensor | None:
+    """The topk loss's shared negatives: the n most frequent answer tokens of `data` (FeatureData); None for n = 0."""
+    return data.hot_tokens(min(n, data.vocab_size)).to(device) if n > 0 else None
+
+
 def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 0,
                   negatives: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted loss of the active subnet on one sequence (scalar) and logging figures.
@@ -139,16 +150,15 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 
         if not bool(valid.any()):
             break
         if cfg.max_positions and int(valid.sum()) > cfg.max_positions:
-            idx = valid.nonzero().flatten()
-            pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed * 31 + step))
+            idx = seeded_subset(valid.nonzero().flatten(), cfg.max_positions, seed * 31 + step)
             valid = torch.zeros_like(valid)
-            valid[idx[pick[: cfg.max_positions].to(idx.device)]] = True
+            valid[idx] = True
         anchor = torch.zeros((), device=dev)  # topk loss: the full-vocabulary term on a few positions
         if cfg.loss == "topk":
             ids_k = topk_ids[valid]  # (n, K)
             logits = model.logits_at(h[valid], ids_k, negatives)  # (n, K + M)
             if negatives is not None and negatives.numel():  # a negative that is one of the row's top-k counts once
-                dup = (negatives.to(dev)[None, None, :] == ids_k[:, :, None]).any(1)  # (n, M)
+                dup = (negatives[None, None, :] == ids_k[:, :, None]).any(1)  # (n, M)
                 logits[:, ids_k.shape[1]:] = logits[:, ids_k.shape[1]:].masked_fill(dup, -float("inf"))
             ce, kl = topk_ce(logits, topk_logits[valid], lse[valid])
             top1 = logits.argmax(-1) == 0  # the draft ranks the target's top token above the other candidates
@@ -156,9 +166,7 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 
                 # the candidate softmax never sees most of the vocabulary, so nothing stops a rare token from
                 # drifting above the candidates in the full argmax (measured: held-out tau fell to 1.07); a few
                 # full-vocabulary positions per step keep every logit in place
-                idx = valid.nonzero().flatten()
-                pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed * 37 + step))
-                sub = idx[pick[: cfg.full_positions].to(idx.device)]
+                sub = seeded_subset(valid.nonzero().flatten(), cfg.full_positions, seed * 37 + step)
                 full_ce, _ = target_kl(model.logits(h[sub]), topk_ids[sub], topk_logits[sub], lse[sub])
                 anchor = full_ce.mean()
         else:
