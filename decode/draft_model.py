@@ -223,7 +223,9 @@ class DraftModel(nn.Module):
         return DraftKV(len(self.layers))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, directory: str | Path, target: "TargetModel", metadata: dict | None = None) -> Path:
+    def save_pretrained(self, directory: str | Path, target: "TargetModel", metadata: dict | None = None,
+                        extra: dict | None = None) -> Path:
+        """model.safetensors + draft_config.json; `extra` adds top-level config keys (a draft kind, lookup settings)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -236,6 +238,7 @@ class DraftModel(nn.Module):
             "target": target.fingerprint().to_dict(),
             "target_name": target.name,
             "metadata": metadata or {},
+            **(extra or {}),
         }
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
         return out

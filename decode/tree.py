@@ -218,3 +218,31 @@ def _build_dynamic(scorer: NodeScorer, root: int, spec: TreeSpec) -> DraftTree:
         parents=torch.tensor([-1] + [remap[parents[i]] for i in keep[1:]]),
         scores=torch.tensor([scores[i] for i in keep]),
     )
+
+
+def graft(base: DraftTree, extra: DraftTree) -> DraftTree:
+    """The union of two trees over the same root: `extra`'s nodes are added under `base` where their
+    (parent, token) path is not there yet (shared prefixes merged, `base`'s nodes and order kept).
+
+    Both trees must be deterministic proposals (point-mass verification): a sampled tree's children
+    must all be draws from its q, which a grafted child is not.
+    """
+    if base.sampled or extra.sampled:
+        raise UserError("sampled candidates cannot be merged with other drafts' nodes; use --candidates topk")
+    if int(base.tokens[0]) != int(extra.tokens[0]):
+        raise ValueError("graft needs two trees over the same root token")
+    tokens, parents = base.tokens.tolist(), base.parents.tolist()
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    where = {0: 0}  # extra's node id -> merged node id
+    for i, (p, t) in enumerate(zip(extra.parents.tolist(), extra.tokens.tolist())):
+        if p < 0:
+            continue
+        key = (where[p], t)
+        if key not in child:
+            child[key] = len(tokens)
+            tokens.append(t)
+            parents.append(where[p])
+        where[i] = child[key]
+    if len(tokens) == base.size:
+        return base
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents))

@@ -97,10 +97,11 @@ def prediction_metadata(attrs: dict) -> dict:
 
 
 def export_draft(supernet: DraftSupernet, arch: DraftArch, target: TargetModel, out: str | Path,
-                 metadata: dict) -> Path:
-    """Extract `arch` (weights copied), save it as a draft checkpoint, and check that it loads back."""
+                 metadata: dict, extra: dict | None = None) -> Path:
+    """Extract `arch` (weights copied), save it as a draft checkpoint, and check that it loads back.
+    extra: top-level config keys, e.g. {"kind": "neural+lookup", "lookup": {...}} (decode/drafts/kinds.py)."""
     sub = supernet.extract(arch, target)
-    path = sub.save_pretrained(out, target, metadata)
+    path = sub.save_pretrained(out, target, metadata, extra)
     DraftModel.from_pretrained(path, target)  # strict load: what decode.run will do
     logger.debug("exported %s -> %s", arch.to_json(), path)
     return path

@@ -108,6 +108,8 @@ class SearchResult:
     draft: Path | None
     table: pd.DataFrame  # the best trials
     command: str | None
+    chosen: dict | None = None  # the exported design's row of the kinds table (nas/choose.py)
+    kinds_text: str = ""  # every kind side by side, as printed
 
 
 def _json(obj) -> object:
@@ -208,10 +210,21 @@ def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3)
 
 
 def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Path) -> Path:
-    """The best trial's subnet (optionally fine-tuned first) -> out/draft, written atomically."""
+    """The chosen design -> out/draft, written atomically: a subnet (optionally fine-tuned first), alone or
+    merged with lookup, or a weightless checkpoint of a training-free kind (nas/choose.py)."""
     from decode.arch import DraftArch
+    from decode.drafts.kinds import save_training_free
+    from decode.drafts.prompt_lookup import LookupSpec
     from nas.export import export_draft
 
+    kind = best.get("kind", "neural")
+    tmp = out / f".draft.tmp{os.getpid()}"
+    if kind in ("none", "prompt-lookup"):
+        lookup = LookupSpec(**best["lookup"]) if best.get("lookup") else None
+        save_training_free(tmp, kind, inp.target, lookup, meta)
+        _replace_dir(tmp, out / "draft")
+        return out / "draft"
+    extra = {"kind": kind, **({"lookup": best["lookup"]} if best.get("lookup") else {})}
     arch = DraftArch.from_json(best["arch"])
     if cfg.finetune_steps:
         from nas.finetune import FinetuneConfig, finetune_subnet
@@ -221,10 +234,28 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
         ids = list(range(len(data) - (inp.n_heldout or 0)))  # never the held-out tail
         ft = FinetuneConfig.like_training(cfg.finetune_steps, inp.state)
         meta["finetune"] = finetune_subnet(inp.supernet, arch, data, ids, ft)
-    tmp = out / f".draft.tmp{os.getpid()}"
-    export_draft(inp.supernet, arch, inp.target, tmp, meta)
+    export_draft(inp.supernet, arch, inp.target, tmp, meta, extra)
     _replace_dir(tmp, out / "draft")
     return out / "draft"
+
+
+def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: float, hardware: str):
+    """Every kind priced on this profile (nas/choose.py) -> (rows, the chosen row, the printed table)."""
+    from nas.choose import choose, format_table, kinds_rows
+    from nas.kinds import KindScorer
+    from nas.objective import SweepTau
+    from nas.suggest import eagle_like
+
+    if not isinstance(source, SweepTau):  # --tree sampled: the merged rows still need sweeps
+        source = SweepTau(inp.supernet, inp.held.sequences, inp.target.num_layers, max(inp.space.tree_depth),
+                          store=sweep_store(cfg, inp), store_key=sweep_key(inp))
+    scorer = KindScorer(inp.held.sequences, latency, context)
+    rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
+                      eagle_like(inp.space, inp.supernet.entropy_layer))
+    chosen = choose(rows)
+    text = format_table(rows, chosen, hardware)
+    logger.log(logging.WARNING if chosen["kind"] == "none" else logging.INFO, "%s", text)
+    return rows, chosen, text
 
 
 def sweep_key(inp: Inputs) -> str:
@@ -259,7 +290,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     import optuna
 
     from decode.draft_model import TargetDims
-    from nas.export import prediction_metadata
+    from nas.choose import to_json
     from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, SweepTau, TauCache
     from nas.report import finished, write_report
     from nas.study import enqueue_starting_archs, open_storage, open_study, sqlite_url
@@ -320,23 +351,25 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     if not done.empty:
         number = int(done.iloc[0]["number"])
         best = {**next(t for t in study.get_trials(deepcopy=False) if t.number == number).user_attrs, "number": number}
+    rows, chosen, kinds_text = choose_kind(cfg, inp, done, source, latency, objective.context, choice.hardware)
+    (out / "kinds.json").write_text(to_json(rows, chosen) + "\n")
     draft = command = None
-    if best is None:
-        logger.warning("no finished trial within the budgets; nothing to export")
-    elif cfg.export:
-        meta = {**prediction_metadata(best), "hardware": choice.hardware,
-                "profile": {**choice.describe(), "how": choice.how}, "study": study_name, "trial": best["number"],
+    if cfg.export:
+        meta = {"predicted": {k: chosen.get(k) for k in ("tau", "tau_ci95", "speedup", "cycle_ms", "verify_tokens")},
+                "kind": chosen["kind"], "kinds": rows, "hardware": choice.hardware,
+                "profile": {**choice.describe(), "how": choice.how}, "study": study_name,
+                "trial": best["number"] if best and chosen.get("arch") == best.get("arch") else None,
                 "storage": url, "supernet": setup["supernet"], "heldout": held.source,
                 "heldout_approximate": held.approximate, "context": objective.context, "search": asdict(cfg)}
-        draft = export_best(cfg, inp, best, meta, out)
+        draft = export_best(cfg, inp, chosen, meta, out)
         command = f'python -m decode.run --target {target.name} --draft {draft} --prompt "{EXAMPLE_PROMPT}" --compare'
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
                "draft": str(draft) if draft else None, "command": command, "tau_cache_hits": tau.hits,
                "sweeps_loaded": getattr(source, "loaded", 0),
-               "trials_complete": complete}
+               "trials_complete": complete, "kinds": rows, "chosen": chosen}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    return SearchResult(out, study_name, url, ran, complete, best or {}, draft, table, command)
+    return SearchResult(out, study_name, url, ran, complete, best or {}, draft, table, command, chosen, kinds_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -409,9 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     if not res.table.empty:
         print(res.table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"report: {res.out}/trials.csv, {res.out}/best.csv, {res.out}/trials.png")
+    if res.kinds_text:
+        print(res.kinds_text)
     if res.draft is not None:
-        print(f"best draft (trial {res.best['number']}, predicted speed-up {res.best['speedup']:.3f}x, "
-              f"tau {res.best['tau']:.3f}) -> {res.draft}")
+        c = res.chosen
+        print(f"exported {c['label']} (kind {c['kind']}, predicted speed-up {c['speedup']:.3f}x, "
+              f"tau {c['tau']:.3f}) -> {res.draft}")
         print(res.command)
     return 0
 

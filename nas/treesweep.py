@@ -46,11 +46,8 @@ class Expansion:
             if p >= 0:
                 self.kids.setdefault(p, []).append(i)
 
-    def accepted(self, depth: int, total: int, cont: list[int], root: int, max_depth: int) -> int:
-        """Draft tokens the greedy verify accepts for the (depth, total) tree, truncated at max_depth.
-
-        cont[root + d] is the token expected at depth d below the root (cont[root] is the root itself).
-        """
+    def kept(self, depth: int, total: int) -> set[int]:
+        """Node ids of the (depth, total) tree: the `total` best of levels <= depth, closed under ancestors."""
         kept = set()
         for i in self.order:
             if len(kept) == total:
@@ -62,6 +59,14 @@ class Expansion:
             while p > 0 and p not in kept:
                 kept.add(p)
                 p = self.parents[p]
+        return kept
+
+    def accepted(self, depth: int, total: int, cont: list[int], root: int, max_depth: int) -> int:
+        """Draft tokens the greedy verify accepts for the (depth, total) tree, truncated at max_depth.
+
+        cont[root + d] is the token expected at depth d below the root (cont[root] is the root itself).
+        """
+        kept = self.kept(depth, total)
         node, d = 0, 0
         limit = min(depth, max_depth, len(cont) - root - 1)
         while d < limit:

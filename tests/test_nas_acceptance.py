@@ -123,3 +123,38 @@ def test_sweeps_are_stored_and_reused(trained, tmp_path):
     (next(tmp_path.glob("sweep-*.safetensors"))).write_bytes(b"garbage")  # a damaged file is recomputed
     fixed = SweepTau(model, seqs, target.num_layers, max_depth=3, store=tmp_path, store_key="k1")
     assert fixed(replace(arch, tree_depth=3, total_tokens=2)) == taus[(3, 2)]
+
+
+def test_lookup_and_merged_replays_equal_real_decoding(trained):
+    """Prompt lookup alone and merged with a neural subnet: the replay (nas.kinds) gives the cycles, tokens,
+    accepted-length histogram and verified tree sizes of real speculative decoding."""
+    from collections import Counter
+
+    from decode.drafts import LookupSpec, MergedDraft, PromptLookupDraft
+    from nas.kinds import KindScorer
+    from nas.treesweep import TreeSweep
+
+    target, model, seqs = trained
+    scorer = KindScorer(seqs, latency=None)
+    arch = replace(model.space.largest(model.entropy_layer), tree_depth=2, top_k=2, total_tokens=4)
+    sweep = TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, top_k=2, max_depth=3)
+    sub = model.extract(arch, target)
+    lookup_hits = 0
+    for spec in (LookupSpec(max_ngram=2, tree_depth=3, top_k=1, total_tokens=3),
+                 LookupSpec(max_ngram=3, tree_depth=4, top_k=2, total_tokens=6)):
+        for merged in (False, True):
+            rep = scorer.replay_neural(arch, sweep, spec) if merged else scorer.replay_lookup(spec)
+            cycles, hist, sizes = 0, Counter(), Counter()
+            for item, seq in zip(ITEMS, seqs):
+                p = int(seq["prompt_len"])
+                draft = MergedDraft(NeuralDraft(sub), spec) if merged else PromptLookupDraft(spec=spec)
+                policy = TreePolicy(spec=arch.tree if merged else spec.tree)
+                real = speculative_generate(target, draft, target.build_prompt(item.text, item.image),
+                                            seq["input_ids"].numel() - p, policy=policy)
+                assert real.tokens == seq["input_ids"][p:].tolist()
+                cycles += real.cycles
+                hist.update(real.accept_hist)
+                sizes.update(real.tree_sizes)
+            assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (spec, merged)
+            lookup_hits += sum(v for k, v in hist.items() if k > 0) if not merged else 0
+    assert lookup_hits > 0  # lookup accepted tokens somewhere: the comparison is not all-rejections

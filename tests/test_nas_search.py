@@ -83,12 +83,58 @@ def test_study_runs_resumes_and_exports(assets, tmp_path):
     # the exported draft: standalone, on the right target, lossless
     cfg = json.loads((res2.draft / "draft_config.json").read_text())
     meta = cfg["metadata"]
-    assert meta["hardware"] == "cpu" and meta["study"] == "s" and meta["trial"] == res2.best["number"]
-    assert meta["predicted"]["tau"] == res2.best["tau"] and meta["profile"]["path"].endswith("cpu-tiny-llava.json")
+    assert meta["hardware"] == "cpu" and meta["study"] == "s" and meta["profile"]["path"].endswith("cpu-tiny-llava.json")
+    # every kind was priced; the exported one is the fastest of them (nas/choose.py), whatever its kind
+    rows = json.loads((tmp_path / "run" / "kinds.json").read_text())["rows"]
+    labels = {r["label"] for r in rows}
+    assert {"vanilla", "prompt lookup", "best neural", "EAGLE-like default", "neural #1 + lookup"} <= labels
+    chosen = res2.chosen
+    assert chosen["speedup"] == max(r["speedup"] for r in rows)
+    assert cfg["kind"] == meta["kind"] == chosen["kind"]
+    assert meta["predicted"]["tau"] == chosen["tau"] and meta["predicted"]["speedup"] == chosen["speedup"]
+    if chosen["kind"] == "neural" and chosen["arch"] == res2.best["arch"]:
+        assert meta["trial"] == res2.best["number"]
+    for r in rows:
+        assert r["tau_ci95"][0] <= r["tau"] <= r["tau_ci95"][1]
     target = tiny_target(TARGET)
     draft = make_draft(str(res2.draft), target)
     prompt = tiny_prompt(target)
     assert speculative_generate(target, draft, prompt, 20).tokens == vanilla_generate(target, prompt, 20).tokens
+
+
+def test_a_useless_neural_draft_is_not_exported(assets, tmp_path):
+    """A supernet that was never trained (random drafts): the search must hand over prompt lookup or plain
+    decoding, and say so when it is plain decoding."""
+    with single_thread():
+        train(TrainConfig(target=TARGET, data=str(Path(assets["root"]) / "data"), out=str(tmp_path / "sn0"),
+                          space="tiny", steps=1, lr=1e-12, warmup=1, ckpt_every=1, val_sequences=2, device="cpu",
+                          dtype="float32"))
+    res = run_search(_cfg(assets, tmp_path / "run", supernet=str(tmp_path / "sn0" / "checkpoint"), study_name="r"))
+    assert res.chosen["kind"] in ("none", "prompt-lookup"), res.kinds_text
+    cfg = json.loads((res.draft / "draft_config.json").read_text())
+    assert cfg["kind"] == res.chosen["kind"] and not (res.draft / "model.safetensors").exists()
+    if res.chosen["kind"] == "none":
+        assert "no draft is predicted faster than plain decoding" in res.kinds_text
+    target = tiny_target(TARGET)
+    prompt = tiny_prompt(target)
+    draft = make_draft(str(res.draft), target)
+    assert speculative_generate(target, draft, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
+
+
+def test_choice_says_when_nothing_beats_vanilla():
+    from nas.choose import choose, format_table
+
+    base = {"tau_ci95": [1.0, 1.0], "verify_tokens": 1.0, "arch": None, "lookup": None, "cycles": 0}
+    rows = [{**base, "kind": "none", "label": "vanilla", "tau": 1.0, "speedup": 1.0},
+            {**base, "kind": "prompt-lookup", "label": "prompt lookup", "tau": 1.2, "speedup": 0.97,
+             "lookup": {"max_ngram": 3, "min_ngram": 1, "tree_depth": 4, "top_k": 1, "total_tokens": 4}}]
+    chosen = choose(rows)
+    assert chosen["kind"] == "none"
+    assert "no draft is predicted faster than plain decoding on cpu" in format_table(rows, chosen, "cpu")
+    rows[1]["speedup"] = 1.0  # a tie goes to the simpler kind
+    assert choose(rows)["kind"] == "none"
+    rows[1]["speedup"] = 1.2
+    assert choose(rows)["kind"] == "prompt-lookup" and "no draft" not in format_table(rows, rows[1], "cpu")
 
 
 def test_two_workers_share_one_study(assets, tmp_path):
@@ -184,7 +230,9 @@ def test_pipeline_builds_once_then_reuses(tmp_path):
     assert [p.stat().st_mtime_ns for p in made] == stamps  # every stage skipped
     assert res2.total_complete == 4 and res.study_name == res2.study_name == "nas-cpu-tiny-llava"
     meta = json.loads((res2.draft / "draft_config.json").read_text())["metadata"]
-    assert meta["finetune"]["steps"] == 2 and meta["profile"]["how"] == "stored"
+    assert meta["profile"]["how"] == "stored"
+    if meta["kind"] in ("neural", "neural+lookup"):  # a training-free choice has nothing to fine-tune
+        assert meta["finetune"]["steps"] == 2
     target = tiny_target(TARGET)
     prompt = tiny_prompt(target)
     draft = make_draft(str(res2.draft), target)

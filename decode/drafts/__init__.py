@@ -1,6 +1,8 @@
 """Draft kinds behind one interface (decode.drafts.base.Draft) and the spec parser used by the CLIs.
 
-    DIR             a neural draft checkpoint (model.safetensors + draft_config.json)
+    DIR             a draft checkpoint of any kind (decode/drafts/kinds.py: neural, neural+lookup,
+                    prompt-lookup, none)
+    DIR+lookup      a neural checkpoint whose trees are merged with prompt-lookup continuations
     prompt-lookup   n-gram lookup in the prompt and output so far
     layerskip:K     the target's first K layers + final norm + LM head
     random:FUSION   a randomly initialised neural draft (concat|cross|hybrid), for tests and demos
@@ -13,14 +15,19 @@ from pathlib import Path
 from decode.arch import FUSIONS, DraftArch
 from decode.draft_model import DraftModel, TargetDims
 from decode.drafts.base import Draft
+from decode.drafts.kinds import load_draft_dir
 from decode.drafts.layerskip import LayerSkipDraft
+from decode.drafts.merged import MergedDraft
 from decode.drafts.neural import NeuralDraft
-from decode.drafts.prompt_lookup import PromptLookupDraft
+from decode.drafts.none import NoDraft
+from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
 from decode.errors import UserError
 
-__all__ = ["Draft", "LayerSkipDraft", "NeuralDraft", "PromptLookupDraft", "make_draft", "random_arch"]
+__all__ = ["Draft", "LayerSkipDraft", "LookupSpec", "MergedDraft", "NeuralDraft", "NoDraft", "PromptLookupDraft",
+           "make_draft", "random_arch"]
 
-_SPEC_HELP = "use a draft checkpoint directory, prompt-lookup, layerskip:K or random:concat|cross|hybrid"
+_SPEC_HELP = ("use a draft checkpoint directory (DIR+lookup merges prompt lookup into a neural one), prompt-lookup, "
+              "layerskip:K or random:concat|cross|hybrid[+lookup]")
 
 
 def random_arch(target, fusion: str = "concat", **overrides) -> DraftArch:
@@ -34,6 +41,13 @@ def random_arch(target, fusion: str = "concat", **overrides) -> DraftArch:
 
 def make_draft(spec: str, target, seed: int = 0) -> Draft:
     spec = spec.strip()
+    if spec.endswith("+lookup") and spec != "+lookup":
+        base = make_draft(spec[: -len("+lookup")], target, seed)
+        if isinstance(base, MergedDraft):
+            return base  # the checkpoint already merges lookup
+        if not isinstance(base, NeuralDraft):
+            raise UserError(f"bad draft '{spec}': +lookup merges prompt lookup into a neural draft only")
+        return MergedDraft(base)
     if spec == "prompt-lookup":
         return PromptLookupDraft()
     if spec.startswith("layerskip:"):
@@ -54,5 +68,5 @@ def make_draft(spec: str, target, seed: int = 0) -> Draft:
         model = DraftModel(random_arch(target, fusion), TargetDims.of(target)).attach(target, init_head=True).eval()
         return NeuralDraft(model, name=spec)
     if Path(spec).is_dir():
-        return NeuralDraft(DraftModel.from_pretrained(spec, target), name=Path(spec).name)
+        return load_draft_dir(spec, target)
     raise UserError(f"unknown draft '{spec}': {_SPEC_HELP}")

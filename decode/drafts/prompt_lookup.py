@@ -1,65 +1,123 @@
 """Prompt-lookup draft: continue the latest n-gram match found in the prompt and output so far.
 
-As in HF prompt-lookup decoding: take the last n tokens (n from max_ngram down to 1), find their
-most recent earlier occurrence, and propose the tokens that followed it. With top_k > 1 the
-continuations of up to top_k distinct matches are merged into a trie (a static tree), capped
-at total_tokens nodes and tree_depth levels. Proposals are deterministic (point-mass verification).
+Take the last n tokens of the history (root included), n from max_ngram down to min_ngram, find
+their earlier occurrences, newest first, and propose the tokens that followed. With top_k > 1 the
+continuations of up to top_k distinct matches are merged into a trie (a static tree), capped at
+total_tokens nodes and tree_depth levels. Proposals are deterministic (point-mass verification).
+
+Which match: the newest occurrence of the longest matching n-gram whose continuation is at least
+as long as any other found for that n (a match right before the end of the history has only a
+one- or two-token continuation; an older match of the same n-gram usually continues further), so
+a long copied span is proposed whole. The history is indexed once per generation (n-gram ->
+positions), so a proposal costs O(matches), not O(history).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from decode.arch import TreeSpec
 from decode.drafts.base import Draft
+from decode.errors import UserError
 from decode.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class LookupSpec:
+    """Prompt-lookup settings: n-gram sizes tried (longest first) and the trie it proposes."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+    tree_depth: int = 8  # branch length: tokens proposed after a match
+    top_k: int = 1  # branches: distinct matches merged into one trie
+    total_tokens: int = 8  # trie nodes kept (the root excluded)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise UserError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+        TreeSpec(self.tree_depth, self.top_k, self.total_tokens)  # validates the tree fields
+
+    @property
+    def tree(self) -> TreeSpec:
+        return TreeSpec(self.tree_depth, self.top_k, self.total_tokens)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LookupSpec":
+        known = {k: int(v) for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def trie(root: int, conts: list[list[int]], total_tokens: int) -> DraftTree:
+    """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes."""
+    tokens, parents = [root], [-1]
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cont in conts:
+        node = 0
+        for tok in cont:
+            if (node, tok) not in child:
+                if len(tokens) - 1 >= total_tokens:
+                    break
+                tokens.append(tok)
+                parents.append(node)
+                child[(node, tok)] = len(tokens) - 1
+            node = child[(node, tok)]
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+class NgramIndex:
+    """Positions of every n-gram (n in min..max) of a growing token history."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.seq: list[int] = []
+        self.where: dict[tuple[int, ...], list[int]] = {}  # n-gram -> start positions, increasing
+
+    def extend(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            self.seq.append(tok)
+            end = len(self.seq)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.where.setdefault(tuple(self.seq[end - n:]), []).append(end - n)
+
+    def continuations(self, root: int, depth: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct continuations of the history + [root], best first (module docstring)."""
+        seq = self.seq + [root]
+        end = len(seq)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            starts = self.where.get(tuple(seq[end - n:]), [])
+            # occurrences that end before the suffix itself (the root is not indexed: all of them do)
+            found: list[list[int]] = []
+            for s in reversed(starts):
+                cont = seq[s + n: s + n + depth]
+                if cont and cont not in found:
+                    found.append(cont)
+            if found:
+                best = max(len(c) for c in found)
+                found.sort(key=lambda c: len(c) < best)  # stable: full-length newest first, then the rest
+                return found[:limit]
+        return []
 
 
 class PromptLookupDraft(Draft):
     name = "prompt-lookup"
-    default_tree = TreeSpec(tree_depth=8, top_k=1, total_tokens=8)
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.seq: list[int] = []
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, spec: LookupSpec | None = None):
+        self.spec = spec or LookupSpec(max_ngram=max_ngram, min_ngram=min_ngram)
+        self.default_tree = self.spec.tree
+        self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
 
     def start(self, target, prompt, prefill) -> None:
-        self.seq = prompt.input_ids[0].tolist()
+        self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
+        self.index.extend(prompt.input_ids[0].tolist())
 
     def accept(self, path_tokens, path_hidden, bonus) -> None:
-        self.seq.extend(path_tokens)
+        self.index.extend(path_tokens)
 
-    def continuations(self, seq: list[int], depth: int, limit: int) -> list[list[int]]:
-        """Up to `limit` distinct continuations of the longest matching suffix n-grams, newest first."""
-        found: list[list[int]] = []
-        n_seq = len(seq)
-        for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
-            suffix = seq[n_seq - n :]
-            for start in range(n_seq - n - 1, -1, -1):  # most recent earlier occurrence first
-                if seq[start : start + n] == suffix:
-                    cont = seq[start + n : start + n + depth]
-                    if cont and cont not in found:
-                        found.append(cont)
-                        if len(found) >= limit:
-                            return found
-            if found:
-                return found
-        return found
+    def lookup_tree(self, root: int, spec: TreeSpec, chain: bool = False) -> DraftTree:
+        conts = self.index.continuations(root, spec.tree_depth, 1 if chain else spec.top_k)
+        return trie(root, conts, spec.total_tokens)
 
     def propose(self, root, policy, sampling, generator) -> DraftTree:
-        spec = policy.spec
-        seq = self.seq + [root]
-        conts = self.continuations(seq, spec.tree_depth, 1 if policy.kind == "chain" else spec.top_k)
-        tokens, parents = [root], [-1]
-        child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: the trie
-        for cont in conts:
-            node = 0
-            for tok in cont:
-                if (node, tok) not in child:
-                    if len(tokens) - 1 >= spec.total_tokens:
-                        break
-                    tokens.append(tok)
-                    parents.append(node)
-                    child[(node, tok)] = len(tokens) - 1
-                node = child[(node, tok)]
-        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+        return self.lookup_tree(root, policy.spec, chain=policy.kind == "chain")

@@ -1,0 +1,85 @@
+"""Draft checkpoints of every kind: what `--draft DIR` loads, from the "kind" in DIR/draft_config.json.
+
+    neural          model.safetensors + the arch (decode.DraftModel)                    (no "kind": neural)
+    neural+lookup   a neural draft whose trees are merged with prompt-lookup continuations ("lookup": LookupSpec)
+    prompt-lookup   training-free: n-gram lookup only ("lookup": LookupSpec), no weights
+    none            training-free: plain decoding (the search found nothing faster on that hardware)
+
+The search (nas.search) exports whichever kind it predicts fastest; the training-free kinds need no
+weights and work with any target, so only the neural kinds check the target fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from decode.draft_model import CONFIG_NAME, DraftModel
+from decode.drafts.base import Draft
+from decode.drafts.merged import MergedDraft
+from decode.drafts.neural import NeuralDraft
+from decode.drafts.none import NoDraft
+from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
+from decode.errors import UserError
+
+KINDS = ("neural", "neural+lookup", "prompt-lookup", "none")
+NEURAL_KINDS = ("neural", "neural+lookup")
+FORMAT = "vlm-draft-nas/draft-v1"
+
+
+def read_config(directory: str | Path) -> dict:
+    """DIR/draft_config.json as a dict; UserError (one line) when missing or not a JSON object."""
+    file = Path(directory) / CONFIG_NAME
+    if not file.is_file():
+        raise UserError(f"'{directory}' is not a draft checkpoint (no {CONFIG_NAME})")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{file} is not valid JSON ({err.__class__.__name__}); re-export the draft") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file} must hold a JSON object, not {type(config).__name__}; re-export the draft")
+    kind = config.get("kind", "neural")
+    if kind not in KINDS:
+        raise UserError(f"{file}: unknown draft kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return config
+
+
+def lookup_spec(config: dict, where: str) -> LookupSpec:
+    raw = config.get("lookup")
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: a draft of kind {config.get('kind')!r} needs a \"lookup\" object in {CONFIG_NAME}")
+    try:
+        return LookupSpec.from_dict(raw)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{where}: bad \"lookup\" settings ({err})") from None
+
+
+def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> Draft:
+    """The draft a checkpoint directory holds; with_lookup merges lookup into a neural one (DIR+lookup)."""
+    config = read_config(directory)
+    kind, name = config.get("kind", "neural"), Path(directory).name
+    if kind == "none":
+        return NoDraft()
+    if kind == "prompt-lookup":
+        return PromptLookupDraft(spec=lookup_spec(config, str(directory)))
+    neural = NeuralDraft(DraftModel.from_pretrained(directory, target), name=name)
+    if kind == "neural+lookup":
+        return MergedDraft(neural, lookup_spec(config, str(directory)))
+    return MergedDraft(neural) if with_lookup else neural
+
+
+def save_training_free(directory: str | Path, kind: str, target, lookup: LookupSpec | None,
+                       metadata: dict | None = None) -> Path:
+    """A weightless checkpoint (kind prompt-lookup or none) that `--draft DIR` loads."""
+    from dataclasses import asdict
+
+    if kind not in ("prompt-lookup", "none"):
+        raise ValueError(f"not a training-free kind: {kind}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"format": FORMAT, "kind": kind, "target_name": target.name,
+              "target": target.fingerprint().to_dict(), "metadata": metadata or {}}
+    if kind == "prompt-lookup":
+        config["lookup"] = asdict(lookup or LookupSpec())
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out

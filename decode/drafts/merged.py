@@ -1,0 +1,46 @@
+"""A neural draft's tree and prompt-lookup continuations, merged into one tree and verified in one forward.
+
+The two sources are complementary: lookup is right on copied spans (code, quotes, names repeated
+from the prompt), the neural draft on new text. Each cycle the neural draft builds its tree (its
+own TreeSpec, from the policy) and lookup its trie (its own LookupSpec: n-gram sizes, branch
+length, branches, node cap); the lookup trie is grafted onto the neural tree with shared prefixes
+merged (decode.tree.graft). The merged tree therefore contains both trees whole: greedy
+verification accepts exactly the longer of the two accepted paths (what nas.treesweep replays),
+and the verify forward holds |neural| + |lookup| - |shared| + 1 tokens; cycles where lookup finds
+no match cost what the neural draft alone costs.
+
+Lossless under greedy and sampling: every node is a deterministic candidate (point-mass rule in
+decode.verify); sampled neural candidates are refused (their q rule needs all siblings drawn from q).
+"""
+
+from __future__ import annotations
+
+from decode.drafts.base import Draft
+from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
+from decode.errors import UserError
+from decode.tree import DraftTree, graft
+
+
+class MergedDraft(Draft):
+    def __init__(self, neural: Draft, lookup: LookupSpec = LookupSpec()):
+        self.neural = neural
+        self.lookup = PromptLookupDraft(spec=lookup)
+        self.name = f"{neural.name}+lookup"
+        self.feature_layers = neural.feature_layers
+        self.attention_stats = neural.attention_stats
+        self.default_tree = neural.default_tree
+
+    def start(self, target, prompt, prefill) -> None:
+        self.neural.start(target, prompt, prefill)
+        self.lookup.start(target, prompt, prefill)
+
+    def propose(self, root, policy, sampling, generator) -> DraftTree:
+        if policy.candidates == "sample":
+            raise UserError("a neural+lookup draft needs --candidates topk (sampled children cannot be merged)")
+        tree = self.neural.propose(root, policy, sampling, generator)
+        return graft(tree, self.lookup.lookup_tree(root, self.lookup.spec.tree))
+
+    def accept(self, path_tokens, path_hidden, bonus) -> None:
+        self.neural.accept(path_tokens, path_hidden, bonus)
+        self.lookup.accept(path_tokens, path_hidden, bonus)
+

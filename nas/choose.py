@@ -1,0 +1,92 @@
+"""The last stage of a search: every kind of draft side by side on this hardware's profile, and the choice.
+
+Rows (nas/kinds.py prices each on the same held-out replay and profile):
+    vanilla          1.00x, always there
+    prompt-lookup    the best LookupSpec of the grid
+    eagle-like       the EAGLE-like default subnet (the study's first trial), with its best tree
+    neural           the study's best subnet
+    neural+lookup    each of the `top` best subnets merged with lookup: best (tree depth, total, LookupSpec)
+
+The row with the best predicted speed-up is exported, whatever its kind; training-free kinds need no
+weights. When nothing beats plain decoding the search says so in one line and exports kind "none".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pandas as pd
+
+from decode.arch import DraftArch
+from nas.kinds import LOOKUP_GRID, KindScorer
+
+logger = logging.getLogger(__name__)
+
+# ties go to the simpler kind: nothing to load beats weights to load
+SIMPLICITY = {"none": 0, "prompt-lookup": 1, "neural": 2, "neural+lookup": 3}
+
+
+def distinct_archs(done: pd.DataFrame, top: int) -> list[DraftArch]:
+    """The `top` best distinct subnets (tree included) of the finished, feasible trials."""
+    out: list[DraftArch] = []
+    for text in done.drop_duplicates("arch")["arch"]:
+        out.append(DraftArch.from_json(text))
+        if len(out) == top:
+            break
+    return out
+
+
+def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals, eagle: DraftArch | None,
+               top: int = 3, grid=LOOKUP_GRID) -> list[dict]:
+    """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k."""
+    rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(grid), "label": "prompt lookup"}]
+    best = distinct_archs(done, top)
+    if eagle is not None:
+        match = [DraftArch.from_json(a) for a in done["arch"]
+                 if replace(DraftArch.from_json(a), tree_depth=1, total_tokens=1) ==
+                 replace(eagle, tree_depth=1, total_tokens=1)]
+        if match:  # the EAGLE-like subnet with the best tree any of its trials found
+            rows.append({**max((scorer.neural(a, sweep_of(a)) for a in match), key=lambda r: r["speedup"]),
+                         "label": "EAGLE-like default"})
+    for i, arch in enumerate(best):
+        sweep = sweep_of(arch)
+        if i == 0:
+            rows.append({**scorer.neural(arch, sweep), "label": "best neural"})
+        rows.append({**scorer.best_merged(arch, sweep, depths, totals, grid), "label": f"neural #{i + 1} + lookup"})
+    return rows
+
+
+def choose(rows: list[dict]) -> dict:
+    return max(rows, key=lambda r: (r["speedup"], -SIMPLICITY[r["kind"]]))
+
+
+def describe(row: dict) -> str:
+    parts = []
+    if row.get("arch"):
+        a = DraftArch.from_json(row["arch"])
+        parts.append(f"{a.fusion} d{a.depth} h{list(a.heads)} ffn{list(a.ffn)} vocab {a.draft_vocab or 'full'} "
+                     f"tree {a.tree_depth}x{a.top_k}/{a.total_tokens}")
+    if row.get("lookup"):
+        s = row["lookup"]
+        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}")
+    return " + ".join(parts) or "-"
+
+
+def format_table(rows: list[dict], chosen: dict, hardware: str) -> str:
+    lines = [f"every kind of draft on {hardware} (predicted from the profile, exact greedy tau on held-out data):",
+             f"  {'':2}{'design':<20} {'speed-up':>8} {'tau':>6} {'tau 95% CI':>15} {'verify':>6}  details"]
+    for r in sorted(rows, key=lambda r: -r["speedup"]):
+        lo, hi = r["tau_ci95"]
+        mark = "->" if r is chosen else ""
+        lines.append(f"  {mark:2}{r['label']:<20} {r['speedup']:>7.3f}x {r['tau']:>6.3f} [{lo:.3f}, {hi:.3f}] "
+                     f"{r['verify_tokens']:>6.1f}  {describe(r)}")
+    if chosen["kind"] == "none":
+        lines.append(f"no draft is predicted faster than plain decoding on {hardware}: exporting kind 'none' "
+                     f"(vanilla decoding); train a larger scale (--scale cpu/full) for a neural draft that pays")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[dict], chosen: dict) -> str:
+    return json.dumps({"rows": rows, "chosen": chosen}, indent=1)

@@ -1,0 +1,270 @@
+"""Every kind of draft scored on the same held-out replay and hardware profile, so the search can pick any.
+
+    vanilla         plain decoding: 1.00x by definition
+    prompt-lookup   n-gram lookup in the prompt and output so far (decode.drafts.prompt_lookup), over a grid
+                    of LookupSpecs (n-gram sizes, branch length, branches)
+    neural          a subnet of the supernet with its best tree for the device (the Optuna study's trials)
+    neural+lookup   the neural tree and the lookup trie merged into one verified tree (decode.drafts.merged)
+
+Why the replay is exact for lookup and merged trees too. Lookup's trie at a root position r depends only
+on the tokens before r (its n-gram index grows token by token, whatever the cycle boundaries were), so
+one trie per root position serves every walk. The merged tree holds the neural tree and the lookup trie
+whole, so greedy verification accepts max(neural accepted, lookup accepted) at r, and it verifies
+1 + |neural| + |lookup| - |shared prefixes| tokens. With the neural expansions of a tree sweep
+(nas/treesweep.py) every (depth, total_tokens, LookupSpec) is scored without a draft forward.
+
+Cost. Cycles differ in size (lookup often finds no match and verifies the root alone), so the predicted
+speed-up is tau x T_step / mean cycle time over the replayed cycles, each cycle priced with the
+profile's verify(n) for its own n, plus the neural draft's cycle and the lookup's own host time
+(`lookup_ms`, measured on this host: it is Python work on the CPU whatever the accelerator).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+
+from decode.arch import DraftArch, max_tree_nodes
+from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, trie
+from hwprofile.latency import LatencyModel
+from nas.acceptance import Acceptance
+from nas.treesweep import Expansion, TreeSweep
+
+# n-gram sizes x branch length x branches; total_tokens = length x branches (a full trie)
+LOOKUP_GRID = tuple(LookupSpec(max_ngram=n, tree_depth=d, top_k=k, total_tokens=d * k)
+                    for n in (2, 3) for d in (2, 4, 8) for k in (1, 2))
+
+
+@dataclass
+class RootTrie:
+    """Lookup's proposal at one root position: its trie and how many of its tokens greedy accepts."""
+
+    tokens: list[int]
+    parents: list[int]
+    accepted: int
+    depth: list[int] = field(default_factory=list)  # per node, root 0
+
+    def __post_init__(self) -> None:
+        if not self.depth:
+            self.depth = [0] + [0] * (len(self.tokens) - 1)
+            for i in range(1, len(self.tokens)):
+                self.depth[i] = self.depth[self.parents[i]] + 1
+
+    def size(self, max_depth: int) -> int:
+        """Nodes the loop verifies when it truncates the trie at max_depth (root included)."""
+        return sum(d <= max_depth for d in self.depth)
+
+
+def expected_tokens(seq: dict) -> list[int]:
+    """cont[j]: the token a node at position j must equal to be accepted (-1: none), as nas.acceptance."""
+    ids = seq["input_ids"].tolist()
+    argmax = seq["topk_ids"][:, 0].tolist()
+    return [ids[j] if j == 0 or argmax[j - 1] == ids[j] else -1 for j in range(len(ids))]
+
+
+def lookup_roots(seq: dict, spec: LookupSpec) -> list[RootTrie]:
+    """The lookup trie at every root position p..t-2 of one FeatureData item (index: r - p)."""
+    ids = seq["input_ids"].tolist()
+    p, cont = int(seq["prompt_len"]), expected_tokens(seq)
+    index = NgramIndex(spec.min_ngram, spec.max_ngram)
+    index.extend(ids[:p])
+    out = []
+    for r in range(p, len(ids) - 1):
+        tree = trie(ids[r], index.continuations(ids[r], spec.tree_depth, spec.top_k), spec.total_tokens)
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        node, d = 0, 0
+        while r + d + 1 < len(cont):
+            nxt = next((c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == cont[r + d + 1]), None)
+            if nxt is None:
+                break
+            node, d = nxt, d + 1
+        out.append(RootTrie(tokens, parents, d))
+        index.extend([ids[r]])
+    return out
+
+
+def new_lookup_nodes(exp: Expansion, kept: set[int], look: RootTrie, max_depth: int) -> int:
+    """Lookup trie nodes (depth <= max_depth) that the neural tree does not hold already (same token path)."""
+    child = {(exp.parents[i], exp.tokens[i]): i for i in kept}
+    where: dict[int, int | None] = {0: 0}
+    new = 0
+    for i in range(1, len(look.tokens)):
+        parent = where.get(look.parents[i])
+        node = child.get((parent, look.tokens[i])) if parent is not None else None
+        where[i] = node
+        new += node is None and look.depth[i] <= max_depth
+    return new
+
+
+@dataclass
+class Replay:
+    """A greedy replay of one draft kind over held-out sequences: per-sequence totals and cycle sizes."""
+
+    per_seq: list[tuple[int, int]]  # (emitted tokens after the first, cycles) per sequence
+    hist: Counter = field(default_factory=Counter)  # accepted draft tokens per cycle -> cycles
+    sizes: Counter = field(default_factory=Counter)  # verified tokens (root included) per cycle -> cycles
+
+    @property
+    def acceptance(self) -> Acceptance:
+        e, c = sum(x for x, _ in self.per_seq), sum(y for _, y in self.per_seq)
+        return Acceptance(tau=e / c if c else 1.0, cycles=c, emitted=e, hist=dict(self.hist))
+
+    def tau_interval(self, n: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+        """Bootstrap interval of tau over sequences (resampled with replacement; the pooled ratio each time)."""
+        seqs = [s for s in self.per_seq if s[1]]
+        if len(seqs) < 2:
+            t = self.acceptance.tau
+            return t, t
+        rng = random.Random(seed)
+        taus = []
+        for _ in range(n):
+            draw = [seqs[rng.randrange(len(seqs))] for _ in seqs]
+            taus.append(sum(e for e, _ in draw) / sum(c for _, c in draw))
+        taus.sort()
+        lo = taus[int((1 - level) / 2 * n)]
+        hi = taus[min(n - 1, int((1 + level) / 2 * n))]
+        return lo, hi
+
+
+def replay(n_seqs: int, bounds: list[tuple[int, int]], at_root, max_new_tokens: int | None = None) -> Replay:
+    """Walk roots r -> r + accepted + 1 as greedy speculative decoding does.
+
+    bounds[i] = (prompt_len, sequence length); at_root(i, r, max_depth) -> (accepted, verified tokens)."""
+    out = Replay([])
+    for i in range(n_seqs):
+        p, t = bounds[i]
+        limit = t - p if max_new_tokens is None else min(max_new_tokens, t - p)
+        if limit < 1:
+            out.per_seq.append((0, 0))
+            continue
+        e, c, r = 1, 0, p
+        while e < limit:
+            m, n = at_root(i, r, limit - e - 1)
+            c += 1
+            out.hist[m] += 1
+            out.sizes[n] += 1
+            e += m + 1
+            r += m + 1
+        out.per_seq.append((min(e, limit) - 1, c))
+    return out
+
+
+class KindScorer:
+    """Replays and predicted speed-ups of every kind on one set of held-out sequences and one profile."""
+
+    def __init__(self, sequences, latency: LatencyModel | None, context: float = 512.0,
+                 lookup_ms: float | None = None):
+        """latency None: replays only (no speed-ups)."""
+        self.seqs = list(sequences)
+        self.bounds = [(int(s["prompt_len"]), s["input_ids"].numel()) for s in self.seqs]
+        self.conts = [expected_tokens(s) for s in self.seqs]
+        self.latency, self.context = latency, context
+        self.lookup_ms = (0.0 if latency is None else measure_lookup_ms(int(context))) if lookup_ms is None \
+            else lookup_ms
+        self._roots: dict[LookupSpec, list[list[RootTrie]]] = {}
+
+    def roots(self, spec: LookupSpec) -> list[list[RootTrie]]:
+        if spec not in self._roots:
+            self._roots[spec] = [lookup_roots(s, spec) for s in self.seqs]
+        return self._roots[spec]
+
+    def _speedup(self, rep: Replay, fixed_ms: float) -> tuple[float, float]:
+        """(speed-up, mean cycle ms): fixed_ms per cycle + the profile's verify(n) of each cycle's own n."""
+        cycles = sum(rep.sizes.values())
+        if not cycles:
+            return 1.0, self.latency.target_step_ms(self.context)
+        verify = sum(k * self.latency.verify_ms(n, self.context) for n, k in rep.sizes.items()) / cycles
+        cycle = fixed_ms + verify
+        return rep.acceptance.tau * self.latency.target_step_ms(self.context) / cycle, cycle
+
+    # ------------------------------------------------------------------ kinds
+    def replay_lookup(self, spec: LookupSpec, max_new_tokens: int | None = None) -> Replay:
+        roots = self.roots(spec)
+        return replay(len(self.seqs), self.bounds,
+                       lambda i, r, md: (min(roots[i][r - self.bounds[i][0]].accepted, md),
+                                        roots[i][r - self.bounds[i][0]].size(md)), max_new_tokens)
+
+    def lookup(self, spec: LookupSpec, max_new_tokens: int | None = None) -> dict:
+        return self._row("prompt-lookup", self.replay_lookup(spec, max_new_tokens), self.lookup_ms, lookup=spec)
+
+    def replay_neural(self, arch: DraftArch, sweep: TreeSweep, lookup: LookupSpec | None = None,
+                      max_new_tokens: int | None = None) -> Replay:
+        """The neural subnet `arch` (its tree_depth / total_tokens) from its sweep, merged with lookup if given."""
+        exps = {i: sweep.sequences[i][1] for i in range(len(self.seqs))}
+        roots = self.roots(lookup) if lookup is not None else None
+        D, N = arch.tree_depth, arch.total_tokens
+
+        def at_root(i, r, md):
+            p = self.bounds[i][0]
+            exp = exps[i][r - p]
+            kept = exp.kept(D, N)
+            m = exp.accepted(D, N, self.conts[i], r, md)
+            n = 1 + sum(exp.depth[j] <= md for j in kept)  # the loop truncates the tree at md
+            if roots is not None:
+                look = roots[i][r - p]
+                m = max(m, min(look.accepted, md))
+                n += new_lookup_nodes(exp, kept, look, md)
+            return m, n
+
+        return replay(len(self.seqs), self.bounds, at_root, max_new_tokens)
+
+    def neural(self, arch: DraftArch, sweep: TreeSweep, lookup: LookupSpec | None = None,
+               max_new_tokens: int | None = None) -> dict:
+        rep = self.replay_neural(arch, sweep, lookup, max_new_tokens)
+        parts = self.latency.breakdown(arch, accepted=rep.acceptance.tau, context=self.context)
+        fixed = parts["total"] - parts["verify"] + (self.lookup_ms if lookup is not None else 0.0)
+        return self._row("neural+lookup" if lookup is not None else "neural", rep, fixed, arch=arch, lookup=lookup)
+
+    def _row(self, kind: str, rep: Replay, fixed_ms: float, arch: DraftArch | None = None,
+             lookup: LookupSpec | None = None) -> dict:
+        speedup, cycle = self._speedup(rep, fixed_ms)
+        acc = rep.acceptance
+        lo, hi = rep.tau_interval()
+        cycles = max(1, acc.cycles)
+        return {"kind": kind, "tau": round(acc.tau, 4), "tau_ci95": [round(lo, 4), round(hi, 4)],
+                "speedup": round(speedup, 4), "cycle_ms": round(cycle, 3),
+                "verify_tokens": round(sum(n * k for n, k in rep.sizes.items()) / cycles, 2),
+                "cycles": acc.cycles, "arch": arch.to_json() if arch is not None else None,
+                "lookup": asdict(lookup) if lookup is not None else None}
+
+    def vanilla(self) -> dict:
+        return {"kind": "none", "tau": 1.0, "tau_ci95": [1.0, 1.0], "speedup": 1.0,
+                "cycle_ms": round(self.latency.target_step_ms(self.context), 3), "verify_tokens": 1.0, "cycles": 0,
+                "arch": None, "lookup": None}
+
+    def best_lookup(self, grid=LOOKUP_GRID) -> dict:
+        return max((self.lookup(s) for s in grid), key=lambda row: row["speedup"])
+
+    def best_merged(self, arch: DraftArch, sweep: TreeSweep, depths, totals, grid=LOOKUP_GRID) -> dict:
+        """The best (tree depth, total_tokens, LookupSpec) of `arch` merged with lookup, on this profile."""
+        best = None
+        for d in depths:
+            if d > sweep.max_depth:
+                continue
+            for n in totals:
+                a = replace(arch, tree_depth=d, total_tokens=min(n, max_tree_nodes(d, arch.top_k)))
+                for spec in grid:
+                    row = self.neural(a, sweep, spec)
+                    if best is None or row["speedup"] > best["speedup"]:
+                        best = row
+        return best
+
+
+def measure_lookup_ms(context: int, repeats: int = 200, seed: int = 0) -> float:
+    """Host time of one lookup proposal (n-gram index query + trie) over a `context`-token history, median."""
+    rng = random.Random(seed)
+    history = [rng.randrange(2000) for _ in range(max(8, context))]
+    spec = LookupSpec(max_ngram=3, tree_depth=8, top_k=2, total_tokens=16)
+    index = NgramIndex(spec.min_ngram, spec.max_ngram)
+    index.extend(history)
+    times = []
+    for i in range(repeats):
+        root = history[i % len(history)]
+        t0 = time.perf_counter()
+        trie(root, index.continuations(root, spec.tree_depth, spec.top_k), spec.total_tokens)
+        index.extend([root])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000.0

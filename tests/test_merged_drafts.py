@@ -1,0 +1,145 @@
+"""Merged neural + prompt-lookup trees, prompt lookup's match choice, and training-free checkpoint kinds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_prompt, tiny_target
+from decode.arch import TreeSpec
+from decode.drafts import LookupSpec, MergedDraft, NoDraft, PromptLookupDraft, make_draft
+from decode.drafts.kinds import load_draft_dir, save_training_free
+from decode.drafts.prompt_lookup import NgramIndex
+from decode.errors import UserError
+from decode.sampling import SamplingConfig
+from decode.speculative import speculative_generate
+from decode.tree import DraftTree, TreePolicy, graft
+from decode.vanilla import vanilla_generate
+from stats import chi2_critical, chi2_statistic
+from test_speculative_sampling import SharpFullDraft, _joint_counts, _joint_target_probs
+
+REPEATING = "one two three four one two three four one two three four one two"
+N = 24
+
+
+def _tree(tokens, parents):
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def test_graft_merges_shared_prefixes_and_keeps_both_trees_whole():
+    base = _tree([9, 1, 2, 3], [-1, 0, 0, 1])  # 9 -> 1 -> 3, 9 -> 2
+    extra = _tree([9, 1, 3, 5, 7], [-1, 0, 1, 2, 0])  # 9 -> 1 -> 3 -> 5, 9 -> 7
+    got = graft(base, extra)
+    assert got.tokens.tolist() == [9, 1, 2, 3, 5, 7]
+    assert got.parents.tolist() == [-1, 0, 0, 1, 3, 0]
+    paths = lambda t: {tuple(t.tokens[i].item() for i in range(t.size) if t.mask[j, i]) for j in range(t.size)}
+    assert paths(base) | paths(extra) == paths(got)
+    assert graft(base, _tree([9, 2], [-1, 0])) is base  # nothing new: the same tree
+    with pytest.raises(ValueError):
+        graft(base, _tree([8], [-1]))
+
+
+def test_lookup_prefers_the_match_whose_continuation_is_full_length():
+    idx = NgramIndex(1, 3)
+    # "a b c d e f" early, then "a b" right before the end: the newest "a b" match continues with 1 token only
+    idx.extend([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    assert idx.continuations(3, 4, 1) == [[4, 5, 6, 7]]  # suffix (1, 2, 3) -> the early copy, whole
+    idx2 = NgramIndex(1, 2)
+    idx2.extend([5, 6, 7, 8, 9, 5, 6, 7, 1])
+    assert idx2.continuations(5, 3, 2) == [[6, 7, 1], [6, 7, 8]]  # full-length matches, newest first
+    assert NgramIndex(1, 2).continuations(5, 3, 1) == []
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-llava", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("fusion", ["concat", "cross", "hybrid"])
+def test_merged_drafts_are_lossless_greedy(family, fusion):
+    target = tiny_target(family)
+    draft = make_draft(f"random:{fusion}+lookup", target)
+    assert isinstance(draft, MergedDraft)
+    grew = 0
+    for text in (REPEATING, "List three colours:"):
+        prompt = tiny_prompt(target, text)
+        want = vanilla_generate(target, prompt, N).tokens
+        for tree in ("chain", "static:3,2,1", "dynamic"):
+            policy = TreePolicy.parse(tree, TreeSpec(tree_depth=3, top_k=2, total_tokens=6))
+            got = speculative_generate(target, draft, prompt, N, policy=policy)
+            assert got.tokens == want, (fusion, tree, text)
+            grew += sum(s > 1 + policy_nodes(policy) for s in got.tree_sizes)
+    assert grew > 0  # lookup really added nodes beyond the neural tree on some cycle
+
+
+def policy_nodes(policy: TreePolicy) -> int:
+    if policy.kind == "dynamic":
+        return policy.spec.total_tokens
+    n, width = 0, 1
+    for k in policy.levels:
+        width *= k
+        n += width
+    return n
+
+
+def test_merged_refuses_sampled_candidates():
+    target = tiny_target("tiny-llama")
+    draft = make_draft("random:concat+lookup", target)
+    policy = TreePolicy.parse("chain", TreeSpec(2, 1, 2), "sample")
+    with pytest.raises(UserError, match="topk"):
+        speculative_generate(target, draft, tiny_prompt(target, REPEATING), 8, SamplingConfig(1.0, 1.0, 0), policy)
+
+
+@pytest.fixture(scope="module")
+def repeating_setup():
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target, REPEATING)
+    cfg = SamplingConfig(temperature=0.2, top_p=0.95)
+    joint = _joint_target_probs(target, prompt, cfg)
+    keys = list(joint)
+    return target, prompt, cfg, keys, torch.tensor([joint[k] for k in keys] + [0.0])
+
+
+@pytest.mark.parametrize("case", ["sharp+lookup", "lookup+lookup"])
+def test_merged_sampling_matches_target_joint(repeating_setup, case):
+    """Exact target distribution when sampling; lookup+lookup: every lookup node coincides with a 'neural' one."""
+    target, prompt, cfg, keys, probs = repeating_setup
+    base = SharpFullDraft(target) if case == "sharp+lookup" else PromptLookupDraft(spec=LookupSpec(2, 1, 2, 2, 4))
+    draft = MergedDraft(base, LookupSpec(max_ngram=3, tree_depth=2, top_k=2, total_tokens=4))
+    policy = TreePolicy.parse("dynamic", TreeSpec(2, 3, 6))
+    counts = _joint_counts(target, prompt, draft, cfg, policy, 1200, keys)
+    assert counts[-1] == 0
+    stat, df = chi2_statistic(counts, probs)
+    assert df >= 5
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_training_free_checkpoints_load_as_their_kind(tmp_path):
+    target = tiny_target("tiny-llama")
+    spec = LookupSpec(max_ngram=2, tree_depth=5, top_k=2, total_tokens=7)
+    look = load_draft_dir(save_training_free(tmp_path / "pl", "prompt-lookup", target, spec), target)
+    assert isinstance(look, PromptLookupDraft) and look.spec == spec and look.default_tree == spec.tree
+    assert isinstance(make_draft(str(save_training_free(tmp_path / "none", "none", target, None)), target), NoDraft)
+    prompt = tiny_prompt(target, REPEATING)
+    want = vanilla_generate(target, prompt, N).tokens
+    for draft in (look, NoDraft()):
+        got = speculative_generate(target, draft, prompt, N)
+        assert got.tokens == want
+    none = speculative_generate(target, NoDraft(), prompt, N)
+    assert none.cycles == N - 1 and set(none.tree_sizes) == {1}
+    with pytest.raises(UserError, match="lookup"):
+        make_draft(str(tmp_path / "pl") + "+lookup", target)
+
+
+def test_neural_plus_lookup_checkpoint_round_trip(tmp_path):
+    target = tiny_target("tiny-llama")
+    neural = make_draft("random:hybrid", target)
+    spec = LookupSpec(max_ngram=4, tree_depth=6, top_k=1, total_tokens=6)
+    neural.model.save_pretrained(tmp_path / "d", target, extra={"kind": "neural+lookup", "lookup": vars(spec)})
+    draft = make_draft(str(tmp_path / "d"), target)
+    assert isinstance(draft, MergedDraft) and draft.lookup.spec == spec
+    prompt = tiny_prompt(target, REPEATING)
+    assert speculative_generate(target, draft, prompt, N).tokens == vanilla_generate(target, prompt, N).tokens
+    cfg = json.loads((tmp_path / "d" / "draft_config.json").read_text())
+    cfg["kind"] = "mystery"
+    (tmp_path / "d" / "draft_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="unknown draft kind"):
+        make_draft(str(tmp_path / "d"), target)
