@@ -84,8 +84,13 @@ class BenchConfig:
 def _methods(config: BenchConfig, target) -> list[Method]:
     from decode.drafts import make_draft
 
+    from decode.hf_generate import is_hf_spec
+
     methods = [Method.vanilla()]
     for spec in config.drafts:
+        if is_hf_spec(spec):
+            methods.append(Method.transformers(spec))
+            continue
         draft = make_draft(spec, target, seed=config.seed or 0)
         name = draft.name if draft.name not in {m.name for m in methods} else spec
         methods.append(Method(name, draft, make_policy(draft, config.tree, config.tree_overrides, config.candidates)))
@@ -153,6 +158,8 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
             runs = measure(target, prompt, methods, config.max_new_tokens, sampling, config.repeats, bar)
             van = runs[VANILLA]
             for m in methods:
+                if m.name not in runs:  # a method that cannot take this prompt (Method.supports)
+                    continue
                 meas = runs[m.name]
                 row = {"prompt_id": item.id, "prompt_tokens": prompt.length, "has_image": prompt.has_image,
                        **meas.to_row()}
@@ -166,21 +173,21 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
 
 def summarize(rows: list[dict], methods: list[str], greedy: bool) -> list[dict]:
     """One row per method (definitions in the module docstring)."""
-    def total_rate(method: str) -> float:
-        rs = [r for r in rows if r["method"] == method]
+    def total_rate(method: str, prompts: set[str] | None = None) -> float:
+        rs = [r for r in rows if r["method"] == method and (prompts is None or r["prompt_id"] in prompts)]
         wall = sum(r["wall_ms"] for r in rs) / 1e3
         return sum(r["new_tokens"] for r in rs) / wall if wall > 0 else 0.0
 
-    base = total_rate(VANILLA)
     out = []
     for method in methods:
         rs = [r for r in rows if r["method"] == method]
         speedups = [r["speedup"] for r in rs if r["speedup"] is not None]
         rate = total_rate(method)
+        base = total_rate(VANILLA, {r["prompt_id"] for r in rs})  # vanilla on the prompts this method ran
         row = {
             "method": method,
             "prompts": len(rs),
-            "tau": statistics.fmean(r["tau"] for r in rs),
+            "tau": statistics.fmean(taus) if (taus := [r["tau"] for r in rs if r["tau"] is not None]) else None,
             "tokens_per_s": rate,
             "speedup": rate / base if base > 0 else None,
             "median_speedup": statistics.median(speedups) if speedups else None,
@@ -189,7 +196,7 @@ def summarize(rows: list[dict], methods: list[str], greedy: bool) -> list[dict]:
             "new_tokens": sum(r["new_tokens"] for r in rs),
             "wall_s": sum(r["wall_ms"] for r in rs) / 1e3,
         }
-        if method != VANILLA:
+        if method != VANILLA and all("draft_ms" in r for r in rs):
             row.update(draft_ms=statistics.fmean(r["draft_ms"] for r in rs),
                        verify_ms=statistics.fmean(r["verify_ms"] for r in rs),
                        accept_hist=merge_hists([r["accept_hist"] for r in rs]))
@@ -219,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m decode.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
-    p.add_argument("--drafts", required=True, help="comma-separated draft specs: DIR | prompt-lookup | layerskip:K | "
-                                                   "random:FUSION")
+    p.add_argument("--drafts", required=True, help="comma-separated methods: DIR | DIR+lookup | prompt-lookup | "
+                                                   "layerskip:K | random:FUSION | hf-generate | hf-lookup:N[:M] "
+                                                   "(transformers' generate, plain or with prompt lookup)")
     p.add_argument("--prompts", default=BenchConfig.prompts, help=f"prompt spec (default: {BenchConfig.prompts})")
     p.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens,
                    help=f"default: {BenchConfig.max_new_tokens}")

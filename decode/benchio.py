@@ -70,6 +70,14 @@ class Method:
     name: str
     draft: Draft | None = None
     policy: TreePolicy | None = None
+    hf: "HFSpec | None" = None  # transformers' own generate (decode/hf_generate.py), the peer
+
+    @classmethod
+    def transformers(cls, spec: str) -> "Method":
+        from decode.hf_generate import HFSpec
+
+        hf = HFSpec.parse(spec)
+        return cls(hf.name, hf=hf)
 
     @classmethod
     def vanilla(cls) -> "Method":
@@ -77,11 +85,25 @@ class Method:
 
     def generate(self, target: TargetModel, prompt: Prompt, max_new_tokens: int,
                  sampling: SamplingConfig) -> GenerationResult:
+        if self.hf is not None:
+            from decode.hf_generate import hf_generate
+
+            if not sampling.greedy:
+                raise UserError(f"{self.name} is compared greedy only; drop --temperature")
+            return hf_generate(target, prompt, max_new_tokens, self.hf)
         if self.draft is None:
             return vanilla_generate(target, prompt, max_new_tokens, sampling)
         return speculative_generate(target, self.draft, prompt, max_new_tokens, sampling, self.policy)
 
+    def supports(self, prompt: Prompt) -> bool:
+        """transformers' prompt lookup cannot take image prompts (its assisted loop re-feeds pixel values:
+        "Image features and image tokens do not match"); those prompts are skipped for it, and its speed-up
+        is taken against vanilla on the prompts it ran."""
+        return not (self.hf is not None and self.hf.lookup_tokens and prompt.has_image)
+
     def describe(self) -> dict:
+        if self.hf is not None:
+            return {"method": self.name, "draft": None, "tree": None, "hf": vars(self.hf)}
         if self.draft is None:
             return {"method": self.name, "draft": None, "tree": None}
         return {"method": self.name, "draft": self.draft.name, "tree": policy_dict(self.policy)}
@@ -97,6 +119,7 @@ class Measurement:
 
     method: str
     runs: list[GenerationResult] = field(default_factory=list)
+    hf: bool = False  # transformers' generate: its forwards (and so tau) are not known
 
     @property
     def first(self) -> GenerationResult:
@@ -120,8 +143,11 @@ class Measurement:
 
     @property
     def tau(self) -> float:
-        """Tokens per target forward after the prefill: exactly 1 for vanilla decoding."""
-        return self.first.tau if self.speculative else 1.0
+        """Tokens per target forward after the prefill: exactly 1 for vanilla decoding, None for HF generate
+        (it does not report its forwards)."""
+        if self.speculative:
+            return self.first.tau
+        return None if self.hf else 1.0
 
     def to_row(self) -> dict:
         """A flat, JSON-ready record (times in ms, medians over the runs)."""
@@ -157,18 +183,20 @@ def warm_up(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_
             sampling: SamplingConfig) -> None:
     """One untimed generation per method (allocator, kernels, caches)."""
     for m in methods:
-        logger.info("warm-up: %s", m.name)
-        m.generate(target, prompt, max_new_tokens, sampling)
+        if m.supports(prompt):
+            logger.info("warm-up: %s", m.name)
+            m.generate(target, prompt, max_new_tokens, sampling)
 
 
 def measure(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,
             sampling: SamplingConfig, repeats: int, progress=None) -> dict[str, Measurement]:
     """Run the methods interleaved `repeats` times; `progress` (a tqdm bar) advances once per run."""
-    out = {m.name: Measurement(m.name) for m in methods}
+    out = {m.name: Measurement(m.name, hf=m.hf is not None) for m in methods if m.supports(prompt)}
     for rep in range(repeats):
         shift = rep % len(methods)
         for m in methods[shift:] + methods[:shift]:
-            out[m.name].runs.append(m.generate(target, prompt, max_new_tokens, sampling))
+            if m.name in out:
+                out[m.name].runs.append(m.generate(target, prompt, max_new_tokens, sampling))
             if progress is not None:
                 progress.update(1)
     for name, meas in out.items():

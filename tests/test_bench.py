@@ -97,3 +97,25 @@ def test_an_interrupted_bench_keeps_its_finished_prompts(tmp_path, monkeypatch):
                 "--max-new-tokens", "6", "--repeats", "1", "--no-warmup", "--out", str(out)])
     done = json.loads(out.read_text())
     assert done["complete"] is True and done["prompts"]["count"] == 2
+
+
+@pytest.mark.parametrize("target", ["tiny-llama", "tiny-llava"])
+def test_transformers_generate_and_lookup_rows_beside_ours(target):
+    """hf-generate / hf-lookup:N run transformers' own generate in the same bench; greedy, they must emit
+    exactly the vanilla tokens (a check on both sides), and their rows carry no tau (HF does not report it)."""
+    cfg = BenchConfig(target=target, drafts=("hf-generate", "hf-lookup:4:2", "random:concat+lookup"),
+                      max_new_tokens=10, repeats=1, warmup=False, device="cpu")
+    res = run_bench(cfg, prompts=PROMPTS)
+    summary = {row["method"]: row for row in res["summary"]}
+    assert {"hf-generate", "hf-lookup:4:2", "random:concat+lookup"} <= set(summary)
+    for name in ("hf-generate", "hf-lookup:4:2", "random:concat+lookup"):
+        assert summary[name]["identical_rate"] == 1.0, name
+        assert summary[name]["speedup"] > 0
+    assert summary["hf-generate"]["tau"] is None and summary["random:concat+lookup"]["tau"] >= 1.0
+    assert summary["hf-lookup:4:2"]["prompts"] == 2  # the image prompt is skipped for HF's lookup (Method.supports)
+    assert "hf-lookup:4:2" in format_table(res["summary"])
+
+
+def test_bad_transformers_method_is_a_user_error():
+    with pytest.raises(UserError, match="hf-lookup:N"):
+        run_bench(BenchConfig(target="tiny-llama", drafts=("hf-lookup:x",), device="cpu"), prompts=PROMPTS[:1])

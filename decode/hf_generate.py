@@ -1,0 +1,66 @@
+"""The peer in the same bench: what transformers gives a user for free, timed like our methods.
+
+    hf-generate       model.generate, greedy (dynamic cache, eager: the runtime our loop uses)
+    hf-lookup:N[:M]   model.generate(prompt_lookup_num_tokens=N, max_matching_ngram_size=M), greedy
+
+Timed as a whole (prefill included, as every method's wall time is); HF does not report its forward
+count, so tau is not known for these rows. Greedy only: HF's sampling draws differ from ours.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from decode.errors import UserError
+from decode.prompt import Prompt
+from decode.vanilla import GenerationResult, sync_device
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    lookup_tokens: int = 0  # 0: plain generate
+    max_ngram: int = 2  # HF's default max_matching_ngram_size
+
+    @classmethod
+    def parse(cls, spec: str) -> "HFSpec":
+        if spec == "hf-generate":
+            return cls()
+        parts = spec.split(":")
+        try:
+            n = int(parts[1]) if len(parts) > 1 else 10
+            m = int(parts[2]) if len(parts) > 2 else 2
+        except ValueError:
+            raise UserError(f"bad method '{spec}': use hf-lookup:N[:M] with integers") from None
+        if parts[0] != "hf-lookup" or len(parts) > 3 or n < 1 or m < 1:
+            raise UserError(f"bad method '{spec}': use hf-generate or hf-lookup:N[:M] (N, M >= 1)")
+        return cls(lookup_tokens=n, max_ngram=m)
+
+    @property
+    def name(self) -> str:
+        return "hf-generate" if not self.lookup_tokens else f"hf-lookup:{self.lookup_tokens}:{self.max_ngram}"
+
+
+def is_hf_spec(spec: str) -> bool:
+    return spec == "hf-generate" or spec.startswith("hf-lookup")
+
+
+@torch.no_grad()
+def hf_generate(target, prompt: Prompt, max_new_tokens: int, spec: HFSpec) -> GenerationResult:
+    inputs = {k: v.to(target.device) if torch.is_tensor(v) else v for k, v in prompt.model_inputs.items()}
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(target.dtype)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(target.eos_token_ids),
+                  pad_token_id=target.tokenizer.pad_token_id or sorted(target.eos_token_ids)[0])
+    if spec.lookup_tokens:
+        kwargs.update(prompt_lookup_num_tokens=spec.lookup_tokens, max_matching_ngram_size=spec.max_ngram)
+    sync_device(target.device)
+    t0 = time.perf_counter()
+    out = target.model.generate(**inputs, **kwargs)
+    sync_device(target.device)
+    dt = time.perf_counter() - t0
+    tokens = out[0, prompt.length:].tolist()
+    return GenerationResult(tokens=tokens, text=target.tokenizer.decode(tokens, skip_special_tokens=True),
+                            prefill_s=0.0, decode_s=dt, target_forwards=0)
