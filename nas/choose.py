@@ -39,8 +39,11 @@ def distinct_archs(done: pd.DataFrame, top: int) -> list[DraftArch]:
 
 
 def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals, eagle: DraftArch | None,
-               top: int = 3, grid=LOOKUP_GRID) -> list[dict]:
-    """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k."""
+               top: int = 3, grid=LOOKUP_GRID, tuned_sweep_of=None) -> list[dict]:
+    """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k.
+
+    tuned_sweep_of: sweeps of the best subnet after fine-tuning it alone (nas.finetune, on a copy of the
+    supernet); adds its rows, alone and merged with lookup, marked "tuned"."""
     rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(grid), "label": "prompt lookup"}]
     best = distinct_archs(done, top)
     if eagle is not None:
@@ -55,6 +58,12 @@ def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals,
         if i == 0:
             rows.append({**scorer.neural(arch, sweep), "label": "best neural"})
         rows.append({**scorer.best_merged(arch, sweep, depths, totals, grid), "label": f"neural #{i + 1} + lookup"})
+    if best and tuned_sweep_of is not None:
+        sweep = tuned_sweep_of(best[0])
+        rows.append({**scorer.best_merged(best[0], sweep, depths, totals, None), "label": "best neural, fine-tuned",
+                     "tuned": True})
+        rows.append({**scorer.best_merged(best[0], sweep, depths, totals, grid), "label": "fine-tuned + lookup",
+                     "tuned": True})
     return rows
 
 

@@ -239,14 +239,15 @@ class KindScorer:
         return max((self.lookup(s) for s in grid), key=lambda row: row["speedup"])
 
     def best_merged(self, arch: DraftArch, sweep: TreeSweep, depths, totals, grid=LOOKUP_GRID) -> dict:
-        """The best (tree depth, total_tokens, LookupSpec) of `arch` merged with lookup, on this profile."""
+        """The best (tree depth, total_tokens, LookupSpec) of `arch` merged with lookup (grid None: the
+        neural draft alone, best tree), on this profile."""
         best = None
         for d in depths:
             if d > sweep.max_depth:
                 continue
             for n in totals:
                 a = replace(arch, tree_depth=d, total_tokens=min(n, max_tree_nodes(d, arch.top_k)))
-                for spec in grid:
+                for spec in grid if grid is not None else (None,):
                     row = self.neural(a, sweep, spec)
                     if best is None or row["speedup"] > best["speedup"]:
                         best = row

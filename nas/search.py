@@ -74,7 +74,7 @@ class SearchConfig:
     sweep_cache: str | None = None  # stored tree sweeps (None: tau-sweeps/ beside the supernet; "none": off)
     context: int | None = None
     scale: str = "demo"
-    finetune_steps: int = 0
+    finetune_steps: int | None = None  # None: the scale's nas.finetune_steps (0: none)
     export: bool = True
     device: str = "auto"
     dtype: str = "auto"
@@ -93,7 +93,7 @@ class SearchConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
         if self.max_memory_mb is not None and self.max_memory_mb <= 0:
             raise UserError(f"--max-memory-mb must be > 0, got {self.max_memory_mb}")
-        if self.finetune_steps < 0:
+        if self.finetune_steps is not None and self.finetune_steps < 0:
             raise UserError(f"--finetune-steps must be >= 0, got {self.finetune_steps}")
 
 
@@ -139,6 +139,7 @@ class Inputs:
     held: HeldOut
     profile: ProfileChoice
     defaults: dict  # the scale's nas defaults
+    tuned: tuple | None = None  # (supernet copy, info) after fine-tuning the best subnet alone (finetune_best)
 
 
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
@@ -226,21 +227,38 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
         return out / "draft"
     extra = {"kind": kind, **({"lookup": best["lookup"]} if best.get("lookup") else {})}
     arch = DraftArch.from_json(best["arch"])
-    if cfg.finetune_steps:
-        from nas.finetune import FinetuneConfig, finetune_subnet
-        from supernet.dataset import FeatureData
-
-        data = FeatureData(inp.state["data"], inp.target)
-        ids = list(range(len(data) - (inp.n_heldout or 0)))  # never the held-out tail
-        ft = FinetuneConfig.like_training(cfg.finetune_steps, inp.state)
-        meta["finetune"] = finetune_subnet(inp.supernet, arch, data, ids, ft)
-    export_draft(inp.supernet, arch, inp.target, tmp, meta, extra)
+    net = inp.supernet
+    if best.get("tuned"):
+        net, meta["finetune"] = inp.tuned
+    export_draft(net, arch, inp.target, tmp, meta, extra)
     _replace_dir(tmp, out / "draft")
     return out / "draft"
 
 
+def finetune_best(inp: Inputs, arch, steps: int):
+    """The best subnet fine-tuned alone for `steps` sequences on a copy of the supernet (the study's other
+    subnets keep their weights) -> (the copy, fine-tuning info). Weight sharing costs the subnets of a
+    supernet acceptance (README, "weight sharing"); a few minutes of training the chosen one alone win
+    most of it back."""
+    import copy
+    import time
+
+    from nas.finetune import FinetuneConfig, finetune_subnet
+    from supernet.dataset import FeatureData
+
+    data = FeatureData(inp.state["data"], inp.target)
+    ids = list(range(len(data) - (inp.n_heldout or 0)))  # never the held-out tail
+    net = copy.deepcopy(inp.supernet)
+    t0 = time.perf_counter()
+    logger.info("fine-tuning the best subnet alone for %d steps", steps)
+    info = finetune_subnet(net, arch, data, ids, FinetuneConfig.like_training(steps, inp.state))
+    net.eval()
+    return net, {**info, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: float, hardware: str):
     """Every kind priced on this profile (nas/choose.py) -> (rows, the chosen row, the printed table)."""
+    from decode.arch import DraftArch
     from nas.choose import choose, format_table, kinds_rows
     from nas.kinds import KindScorer
     from nas.objective import SweepTau
@@ -250,8 +268,14 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         source = SweepTau(inp.supernet, inp.held.sequences, inp.target.num_layers, max(inp.space.tree_depth),
                           store=sweep_store(cfg, inp), store_key=sweep_key(inp))
     scorer = KindScorer(inp.held.sequences, latency, context)
+    tuned_sweep = None
+    steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
+    if steps and not done.empty:
+        net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps)
+        inp.tuned = (net, info)
+        tuned_sweep = SweepTau(net, inp.held.sequences, inp.target.num_layers, max(inp.space.tree_depth)).sweep
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
-                      eagle_like(inp.space, inp.supernet.entropy_layer))
+                      eagle_like(inp.space, inp.supernet.entropy_layer), tuned_sweep_of=tuned_sweep)
     chosen = choose(rows)
     text = format_table(rows, chosen, hardware)
     logger.log(logging.WARNING if chosen["kind"] == "none" else logging.INFO, "%s", text)
@@ -409,7 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "for later searches (default: tau-sweeps/ beside the supernet checkpoint; 'none': off)")
     p.add_argument("--context", type=int, default=None, help="context length of the prediction (default: profile's)")
     p.add_argument("--scale", default=d.scale, help="pipeline scale in configs/scale (default: demo)")
-    p.add_argument("--finetune-steps", type=int, default=0, help="fine-tune the best subnet before export")
+    p.add_argument("--finetune-steps", type=int, default=None,
+                   help="fine-tune the best subnet alone for N sequences before choosing and exporting (its tau "
+                        "is re-measured; default: the scale's, 300 at demo scale; 0: off)")
     p.add_argument("--no-export", action="store_true", help="do not export the best draft")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="float32|bfloat16|float16|auto")

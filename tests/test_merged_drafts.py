@@ -143,3 +143,13 @@ def test_neural_plus_lookup_checkpoint_round_trip(tmp_path):
     (tmp_path / "d" / "draft_config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="unknown draft kind"):
         make_draft(str(tmp_path / "d"), target)
+
+
+def test_prompt_lookup_spec_strings():
+    target = tiny_target("tiny-llama")
+    d = make_draft("prompt-lookup:10:2", target)
+    assert d.spec == LookupSpec(max_ngram=2, tree_depth=10, top_k=1, total_tokens=10)
+    assert make_draft("prompt-lookup:4:3:2", target).spec.total_tokens == 8
+    for bad in ("prompt-lookup:x", "prompt-lookup:0", "prompt-lookup:4:0", "prompt-lookup:1:2:3:4"):
+        with pytest.raises(UserError, match="prompt-lookup:D"):
+            make_draft(bad, target)

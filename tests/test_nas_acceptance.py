@@ -157,4 +157,20 @@ def test_lookup_and_merged_replays_equal_real_decoding(trained):
                 sizes.update(real.tree_sizes)
             assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (spec, merged)
             lookup_hits += sum(v for k, v in hist.items() if k > 0) if not merged else 0
+        # the merged tree holds both trees whole: it never accepts less than either source alone
+        merged_tau = scorer.replay_neural(arch, sweep, spec).acceptance.tau
+        assert merged_tau >= max(scorer.replay_lookup(spec).acceptance.tau,
+                                 scorer.replay_neural(arch, sweep).acceptance.tau) - 1e-9
     assert lookup_hits > 0  # lookup accepted tokens somewhere: the comparison is not all-rejections
+
+
+def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
+    from nas.kinds import Replay
+
+    few = Replay([(10, 8), (30, 10), (5, 5), (22, 12)])
+    many = Replay(few.per_seq * 25)
+    lo, hi = few.tau_interval()
+    assert lo <= few.acceptance.tau <= hi and hi > lo
+    lo2, hi2 = many.tau_interval()
+    assert lo2 <= many.acceptance.tau <= hi2 and (hi2 - lo2) < (hi - lo) / 3
+    assert Replay([(4, 4)]).tau_interval() == (1.0, 1.0)

@@ -226,12 +226,18 @@ def test_pipeline_builds_once_then_reuses(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert "split heldout" in summary["setup"]["heldout"] and summary["setup"]["heldout_last"] is None
     assert json.loads((run / "heldout" / "manifest.json").read_text())["config"]["mode"] == "regenerate"
+    first = {r["label"]: r for r in json.loads((tmp_path / "out" / "kinds.json").read_text())["rows"]}
+    assert "best neural, fine-tuned" not in first  # smoke scale: no fine-tuning by default
     res2 = run_search(replace(cfg, finetune_steps=2))
     assert [p.stat().st_mtime_ns for p in made] == stamps  # every stage skipped
     assert res2.total_complete == 4 and res.study_name == res2.study_name == "nas-cpu-tiny-llava"
     meta = json.loads((res2.draft / "draft_config.json").read_text())["metadata"]
     assert meta["profile"]["how"] == "stored"
-    if meta["kind"] in ("neural", "neural+lookup"):  # a training-free choice has nothing to fine-tune
+    rows = {r["label"]: r for r in json.loads((tmp_path / "out" / "kinds.json").read_text())["rows"]}
+    assert rows["best neural, fine-tuned"]["tuned"] and rows["fine-tuned + lookup"]["tuned"]
+    if rows["best neural"]["arch"] == first["best neural"]["arch"]:  # tuned on a copy: the supernet is unchanged
+        assert rows["best neural"]["tau"] == first["best neural"]["tau"]
+    if res2.chosen.get("tuned"):
         assert meta["finetune"]["steps"] == 2
     target = tiny_target(TARGET)
     prompt = tiny_prompt(target)
