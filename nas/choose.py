@@ -79,7 +79,8 @@ def describe(row: dict) -> str:
                      f"tree {a.tree_depth}x{a.top_k}/{a.total_tokens}")
     if row.get("lookup"):
         s = row["lookup"]
-        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}")
+        rule = f" ({row['merge']})" if row.get("merge") else ""
+        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}{rule}")
     return " + ".join(parts) or "-"
 
 

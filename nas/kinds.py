@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from decode.arch import DraftArch, max_tree_nodes
+from decode.drafts.merged import RULES
 from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, trie
 from hwprofile.latency import LatencyModel
 from nas.acceptance import Acceptance
@@ -106,6 +107,7 @@ class Replay:
     per_seq: list[tuple[int, int]]  # (emitted tokens after the first, cycles) per sequence
     hist: Counter = field(default_factory=Counter)  # accepted draft tokens per cycle -> cycles
     sizes: Counter = field(default_factory=Counter)  # verified tokens (root included) per cycle -> cycles
+    drafted: int = 0  # cycles in which the neural draft ran (all of them but a switch rule's lookup-only ones)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -142,7 +144,8 @@ def replay(n_seqs: int, bounds: list[tuple[int, int]], at_root, max_new_tokens: 
             continue
         e, c, r = 1, 0, p
         while e < limit:
-            m, n = at_root(i, r, limit - e - 1)
+            m, n, *drafted = at_root(i, r, limit - e - 1)
+            out.drafted += bool(drafted[0]) if drafted else 0
             c += 1
             out.hist[m] += 1
             out.sizes[n] += 1
@@ -191,14 +194,18 @@ class KindScorer:
         return self._row("prompt-lookup", self.replay_lookup(spec, max_new_tokens), self.lookup_ms, lookup=spec)
 
     def replay_neural(self, arch: DraftArch, sweep: TreeSweep, lookup: LookupSpec | None = None,
-                      max_new_tokens: int | None = None) -> Replay:
-        """The neural subnet `arch` (its tree_depth / total_tokens) from its sweep, merged with lookup if given."""
+                      max_new_tokens: int | None = None, rule: str = "union") -> Replay:
+        """The neural subnet `arch` (its tree_depth / total_tokens) from its sweep, merged with lookup if given
+        (rule as decode.drafts.merged: union of both trees, or switch to the lookup trie when it matched)."""
         exps = {i: sweep.sequences[i][1] for i in range(len(self.seqs))}
         roots = self.roots(lookup) if lookup is not None else None
         D, N = arch.tree_depth, arch.total_tokens
 
         def at_root(i, r, md):
             p = self.bounds[i][0]
+            if roots is not None and rule == "switch" and len(roots[i][r - p].tokens) > 1:
+                look = roots[i][r - p]
+                return min(look.accepted, md), look.size(md), False
             exp = exps[i][r - p]
             kept = exp.kept(D, N)
             m = exp.accepted(D, N, self.conts[i], r, md)
@@ -207,16 +214,20 @@ class KindScorer:
                 look = roots[i][r - p]
                 m = max(m, min(look.accepted, md))
                 n += new_lookup_nodes(exp, kept, look, md)
-            return m, n
+            return m, n, True
 
         return replay(len(self.seqs), self.bounds, at_root, max_new_tokens)
 
     def neural(self, arch: DraftArch, sweep: TreeSweep, lookup: LookupSpec | None = None,
-               max_new_tokens: int | None = None) -> dict:
-        rep = self.replay_neural(arch, sweep, lookup, max_new_tokens)
+               max_new_tokens: int | None = None, rule: str = "union") -> dict:
+        rep = self.replay_neural(arch, sweep, lookup, max_new_tokens, rule)
         parts = self.latency.breakdown(arch, accepted=rep.acceptance.tau, context=self.context)
-        fixed = parts["total"] - parts["verify"] + (self.lookup_ms if lookup is not None else 0.0)
-        return self._row("neural+lookup" if lookup is not None else "neural", rep, fixed, arch=arch, lookup=lookup)
+        share = rep.drafted / max(1, rep.acceptance.cycles)  # cycles that ran the neural draft
+        fixed = share * (parts["total"] - parts["verify"]) + (self.lookup_ms if lookup is not None else 0.0)
+        row = self._row("neural+lookup" if lookup is not None else "neural", rep, fixed, arch=arch, lookup=lookup)
+        if lookup is not None:
+            row["merge"] = rule
+        return row
 
     def _row(self, kind: str, rep: Replay, fixed_ms: float, arch: DraftArch | None = None,
              lookup: LookupSpec | None = None) -> dict:
@@ -248,9 +259,10 @@ class KindScorer:
             for n in totals:
                 a = replace(arch, tree_depth=d, total_tokens=min(n, max_tree_nodes(d, arch.top_k)))
                 for spec in grid if grid is not None else (None,):
-                    row = self.neural(a, sweep, spec)
-                    if best is None or row["speedup"] > best["speedup"]:
-                        best = row
+                    for rule in RULES if spec is not None else ("union",):
+                        row = self.neural(a, sweep, spec, rule=rule)
+                        if best is None or row["speedup"] > best["speedup"]:
+                            best = row
         return best
 
 

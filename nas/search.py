@@ -225,7 +225,8 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
         save_training_free(tmp, kind, inp.target, lookup, meta)
         _replace_dir(tmp, out / "draft")
         return out / "draft"
-    extra = {"kind": kind, **({"lookup": best["lookup"]} if best.get("lookup") else {})}
+    extra = {"kind": kind, **({"lookup": best["lookup"], "merge": best.get("merge", "union")}
+                              if best.get("lookup") else {})}
     arch = DraftArch.from_json(best["arch"])
     net = inp.supernet
     if best.get("tuned"):

@@ -153,3 +153,23 @@ def test_prompt_lookup_spec_strings():
     for bad in ("prompt-lookup:x", "prompt-lookup:0", "prompt-lookup:4:0", "prompt-lookup:1:2:3:4"):
         with pytest.raises(UserError, match="prompt-lookup:D"):
             make_draft(bad, target)
+
+
+@pytest.mark.parametrize("fusion", ["concat", "hybrid"])
+def test_switch_rule_is_lossless_and_skips_the_neural_draft_on_lookup_cycles(fusion):
+    """switch: the lookup trie alone when it matched; the neural draft catches up on the skipped tokens, so
+    its cache after the run equals a draft that proposed every cycle (same committed entries)."""
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target, REPEATING)
+    want = vanilla_generate(target, prompt, N).tokens
+    neural = make_draft(f"random:{fusion}", target)
+    calls = []
+    original = neural.propose
+    neural.propose = lambda *a, **k: calls.append(1) or original(*a, **k)
+    draft = MergedDraft(neural, LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4), rule="switch")
+    policy = TreePolicy.parse("dynamic", TreeSpec(2, 2, 3))
+    got = speculative_generate(target, draft, prompt, N, policy=policy)
+    assert got.tokens == want
+    assert 0 < len(calls) < got.cycles  # some cycles were lookup-only
+    with pytest.raises(UserError, match="merge rule"):
+        MergedDraft(neural, rule="mix")

@@ -142,12 +142,12 @@ def test_lookup_and_merged_replays_equal_real_decoding(trained):
     lookup_hits = 0
     for spec in (LookupSpec(max_ngram=2, tree_depth=3, top_k=1, total_tokens=3),
                  LookupSpec(max_ngram=3, tree_depth=4, top_k=2, total_tokens=6)):
-        for merged in (False, True):
-            rep = scorer.replay_neural(arch, sweep, spec) if merged else scorer.replay_lookup(spec)
+        for merged in (False, "union", "switch"):
+            rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
             cycles, hist, sizes = 0, Counter(), Counter()
             for item, seq in zip(ITEMS, seqs):
                 p = int(seq["prompt_len"])
-                draft = MergedDraft(NeuralDraft(sub), spec) if merged else PromptLookupDraft(spec=spec)
+                draft = MergedDraft(NeuralDraft(sub), spec, merged) if merged else PromptLookupDraft(spec=spec)
                 policy = TreePolicy(spec=arch.tree if merged else spec.tree)
                 real = speculative_generate(target, draft, target.build_prompt(item.text, item.image),
                                             seq["input_ids"].numel() - p, policy=policy)

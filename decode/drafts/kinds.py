@@ -1,7 +1,8 @@
 """Draft checkpoints of every kind: what `--draft DIR` loads, from the "kind" in DIR/draft_config.json.
 
     neural          model.safetensors + the arch (decode.DraftModel)                    (no "kind": neural)
-    neural+lookup   a neural draft whose trees are merged with prompt-lookup continuations ("lookup": LookupSpec)
+    neural+lookup   a neural draft whose trees are merged with prompt-lookup continuations ("lookup": LookupSpec,
+                    "merge": union | switch, decode/drafts/merged.py)
     prompt-lookup   training-free: n-gram lookup only ("lookup": LookupSpec), no weights
     none            training-free: plain decoding (the search found nothing faster on that hardware)
 
@@ -64,7 +65,7 @@ def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> 
         return PromptLookupDraft(spec=lookup_spec(config, str(directory)))
     neural = NeuralDraft(DraftModel.from_pretrained(directory, target), name=name)
     if kind == "neural+lookup":
-        return MergedDraft(neural, lookup_spec(config, str(directory)))
+        return MergedDraft(neural, lookup_spec(config, str(directory)), str(config.get("merge", "union")))
     return MergedDraft(neural) if with_lookup else neural
 
 

@@ -21,11 +21,20 @@ from decode.errors import UserError
 from decode.tree import DraftTree, graft
 
 
+RULES = ("union", "switch")
+
+
 class MergedDraft(Draft):
-    def __init__(self, neural: Draft, lookup: LookupSpec = LookupSpec()):
-        self.neural = neural
+    """rule "union": both trees whole in one verify; "switch": the lookup trie alone when lookup finds a
+    match (the neural draft is not run that cycle: it catches up on the accepted tokens next time), the
+    neural tree otherwise. Union accepts more, switch verifies and drafts less; the search picks."""
+
+    def __init__(self, neural: Draft, lookup: LookupSpec = LookupSpec(), rule: str = "union"):
+        if rule not in RULES:
+            raise UserError(f"merge rule must be one of {', '.join(RULES)}, got {rule!r}")
+        self.neural, self.rule = neural, rule
         self.lookup = PromptLookupDraft(spec=lookup)
-        self.name = f"{neural.name}+lookup"
+        self.name = f"{neural.name}+lookup" + ("" if rule == "union" else f"-{rule}")
         self.feature_layers = neural.feature_layers
         self.attention_stats = neural.attention_stats
         self.default_tree = neural.default_tree
@@ -37,8 +46,10 @@ class MergedDraft(Draft):
     def propose(self, root, policy, sampling, generator) -> DraftTree:
         if policy.candidates == "sample":
             raise UserError("a neural+lookup draft needs --candidates topk (sampled children cannot be merged)")
-        tree = self.neural.propose(root, policy, sampling, generator)
-        return graft(tree, self.lookup.lookup_tree(root, self.lookup.spec.tree))
+        look = self.lookup.lookup_tree(root, self.lookup.spec.tree)
+        if self.rule == "switch" and look.size > 1:
+            return look
+        return graft(self.neural.propose(root, policy, sampling, generator), look)
 
     def accept(self, path_tokens, path_hidden, bonus) -> None:
         self.neural.accept(path_tokens, path_hidden, bonus)

@@ -55,6 +55,7 @@ class NeuralDraft(ModelDraft):
         self.model.add_memory(self.cache, self.model.project_features(feats[pos]), pos)
         self.root_feat = feats[-1]  # the root (first generated token) pairs with the last prompt feature
         self.root_pos = t
+        self.root_fed = False  # set when a proposal feeds the root (and the pending pairs) to the draft
 
     @torch.no_grad()
     def accept(self, path_tokens, path_hidden, bonus) -> None:
@@ -62,9 +63,15 @@ class NeuralDraft(ModelDraft):
         m = feats.shape[0]
         pos = torch.arange(self.root_pos, self.root_pos + m, device=feats.device)
         # root already committed; a_i at root_pos + i pairs with the feature of its predecessor
-        self.pending_tokens = torch.tensor(path_tokens[1:], dtype=torch.long, device=feats.device)
-        self.pending_feats = feats[:-1]
-        self.pending_pos = pos[1:]
+        tokens = torch.tensor(path_tokens[1:], dtype=torch.long, device=feats.device)
+        if self.root_fed:
+            self.pending_tokens, self.pending_feats, self.pending_pos = tokens, feats[:-1], pos[1:]
+        else:  # no tree was drafted this cycle (a merged draft's lookup-only cycle): the root joins the queue too
+            root = torch.tensor(path_tokens[:1], dtype=torch.long, device=feats.device)
+            self.pending_tokens = torch.cat([self.pending_tokens, root, tokens])
+            self.pending_feats = torch.cat([self.pending_feats, self.root_feat[None], feats[:-1]])
+            self.pending_pos = torch.cat([self.pending_pos, pos[:1], pos[1:]])
+        self.root_fed = False
         self.model.add_memory(self.cache, self.model.project_features(feats), pos)
         self.root_feat = feats[-1]
         self.root_pos = self.root_pos + m
@@ -88,6 +95,7 @@ class NeuralDraft(ModelDraft):
                                  torch.ones(n, n, dtype=torch.bool, device=dev).tril()], dim=1)
             hidden = model(toks, g, pos, allowed, cache)
             cache.commit()
+            self.root_fed = True
             self.hidden_of[0] = hidden[-1]
             return model.logits(hidden[-1:])
         tent_mask, q_depths, _ = self.slots.add(nodes, parents.tolist())
