@@ -75,8 +75,8 @@ def describe(row: dict) -> str:
     parts = []
     if row.get("arch"):
         a = DraftArch.from_json(row["arch"])
-        parts.append(f"{a.fusion} d{a.depth} h{list(a.heads)} ffn{list(a.ffn)} vocab {a.draft_vocab or 'full'} "
-                     f"tree {a.tree_depth}x{a.top_k}/{a.total_tokens}")
+        parts.append(f"{a.fusion} layers{list(a.feature_layers)} d{a.depth} h{list(a.heads)} ffn{list(a.ffn)} "
+                     f"vocab {a.draft_vocab or 'full'} keep {a.visual_keep:g} tree {a.tree_depth}x{a.top_k}/{a.total_tokens}")
     if row.get("lookup"):
         s = row["lookup"]
         rule = f" ({row['merge']})" if row.get("merge") else ""
@@ -86,11 +86,11 @@ def describe(row: dict) -> str:
 
 def format_table(rows: list[dict], chosen: dict, hardware: str) -> str:
     lines = [f"every kind of draft on {hardware} (predicted from the profile, exact greedy tau on held-out data):",
-             f"  {'':2}{'design':<20} {'speed-up':>8} {'tau':>6} {'tau 95% CI':>15} {'verify':>6}  details"]
+             f"  {'':2}{'design':<24} {'speed-up':>8} {'tau':>6} {'tau 95% CI':>15} {'verify':>6}  details"]
     for r in sorted(rows, key=lambda r: -r["speedup"]):
         lo, hi = r["tau_ci95"]
         mark = "->" if r is chosen else ""
-        lines.append(f"  {mark:2}{r['label']:<20} {r['speedup']:>7.3f}x {r['tau']:>6.3f} [{lo:.3f}, {hi:.3f}] "
+        lines.append(f"  {mark:2}{r['label']:<24} {r['speedup']:>7.3f}x {r['tau']:>6.3f} [{lo:.3f}, {hi:.3f}] "
                      f"{r['verify_tokens']:>6.1f}  {describe(r)}")
     if chosen["kind"] == "none":
         lines.append(f"no draft is predicted faster than plain decoding on {hardware}: exporting kind 'none' "

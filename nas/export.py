@@ -3,6 +3,7 @@
     python -m nas.export --supernet out/supernet-smolvlm-135m-demo/checkpoint --trial 12 \\
         --storage sqlite:///out/nas-cpu-smolvlm-135m/study.db --out out/draft-cpu
     python -m nas.export --supernet CKPT --arch '{"fusion": "concat", ...}' --out DIR --finetune-steps 50
+    python -m nas.export --supernet CKPT --trial 12 --storage URL --out DIR --lookup 4:2:1 --merge switch
 
 The draft directory (model.safetensors + draft_config.json) loads with decode.run / decode.bench
 (`--draft DIR`) without any supernet code: decode.DraftModel with weights copied out of the
@@ -48,6 +49,26 @@ class ExportConfig:
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: str | None = None
+    lookup: str | None = None  # "D:M:K": merge prompt lookup into the draft (kind neural+lookup)
+    merge: str = "union"  # union | switch (decode/drafts/merged.py)
+
+
+def lookup_extra(text: str | None, merge: str) -> dict | None:
+    """--lookup D:M:K / --merge -> the draft_config keys of kind neural+lookup (None: a plain neural draft)."""
+    from decode.drafts.merged import RULES
+    from decode.drafts.prompt_lookup import LookupSpec
+
+    if text is None:
+        return None
+    if merge not in RULES:
+        raise UserError(f"--merge must be one of {', '.join(RULES)}, got {merge!r}")
+    try:
+        d, m, k = (int(v) for v in text.split(":"))
+        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k)
+    except (ValueError, UserError):
+        raise UserError(f"--lookup must be D:M:K (branch length, max n-gram, branches; integers >= 1), "
+                        f"got {text!r}") from None
+    return {"kind": "neural+lookup", "lookup": asdict(spec), "merge": merge}
 
 
 def parse_arch(text: str) -> DraftArch:
@@ -119,6 +140,7 @@ def export(cfg: ExportConfig) -> Path:
         raise UserError("--trial needs --storage (the study's URL, e.g. sqlite:///out/nas-.../study.db)")
     if cfg.finetune_steps < 0:
         raise UserError(f"--finetune-steps must be >= 0, got {cfg.finetune_steps}")
+    extra = lookup_extra(cfg.lookup, cfg.merge)
     state = read_supernet_state(cfg.supernet)
     if cfg.trial is not None:
         arch, meta = trial_record(cfg.storage, cfg.study_name, cfg.trial)
@@ -139,7 +161,7 @@ def export(cfg: ExportConfig) -> Path:
         meta["finetune"] = finetune_subnet(supernet, arch, data, ids,
                                            FinetuneConfig.like_training(cfg.finetune_steps, state, cfg.finetune_lr))
         meta["predicted_before_finetune"] = True  # the prediction was made for the weights before fine-tuning
-    return export_draft(supernet, arch, target, cfg.out, meta)
+    return export_draft(supernet, arch, target, cfg.out, meta, extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="fine-tuning data (default: the supernet's training data)")
     p.add_argument("--heldout", type=int, default=None,
                    help="last training sequences kept out of fine-tuning (default: the study's / supernet's)")
+    p.add_argument("--lookup", default=None, metavar="D:M:K",
+                   help="merge prompt lookup into the draft (kind neural+lookup): branch length D, n-grams up to M, "
+                        "K branches, e.g. 4:2:1")
+    p.add_argument("--merge", default="union", help="with --lookup: union (both trees) or switch (lookup when it "
+                                                    "matched, else the neural tree); default: union")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
     return p
 
@@ -172,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                        study_name=args.study_name, storage=args.storage, finetune_steps=args.finetune_steps,
                        finetune_lr=args.finetune_lr, heldout=args.heldout, data=args.data, target=args.target,
                        device=args.device, dtype=args.dtype,
-                       cache_dir=str(args.cache_dir) if args.cache_dir else None)
+                       cache_dir=str(args.cache_dir) if args.cache_dir else None, lookup=args.lookup, merge=args.merge)
     path = export(cfg)
     print(path)
     return 0

@@ -171,6 +171,16 @@ def test_export_cli_trial_and_arch(assets, tmp_path):
                         "--device", "cpu"]) == 0
     draft = make_draft(str(tmp_path / "a"), target)
     assert draft.model.arch.to_dict() == arch
+    # merged with lookup (kind neural+lookup) by the same CLI
+    assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "m"),
+                        "--device", "cpu", "--lookup", "4:2:1", "--merge", "switch"]) == 0
+    merged = make_draft(str(tmp_path / "m"), target)
+    assert merged.rule == "switch" and merged.lookup.spec.tree_depth == 4 and merged.lookup.spec.max_ngram == 2
+    assert speculative_generate(target, merged, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
+    for bad in (["--lookup", "4:2"], ["--lookup", "4:2:1", "--merge", "mix"]):
+        with pytest.raises(UserError):
+            export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "x"),
+                         "--device", "cpu", *bad])
     assert sum(p.numel() for p in draft.model.parameters()) == draft_params(draft.model.arch, draft.model.dims)
     assert speculative_generate(target, draft, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
 
