@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 import torch.nn.functional as F
 from torch import nn
@@ -249,16 +250,29 @@ class DraftModel(nn.Module):
         cfg_file, weights = path / CONFIG_NAME, path / WEIGHTS_NAME
         if not cfg_file.is_file() or not weights.is_file():
             raise UserError(f"'{directory}' is not a draft checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-        config = json.loads(cfg_file.read_text())
+        try:
+            config = json.loads(cfg_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise UserError(f"{cfg_file} is not valid JSON ({err.__class__.__name__}); re-export the draft") from None
+        missing = [k for k in ("arch", "dims", "target") if not isinstance(config, dict) or k not in config]
+        if missing:
+            raise UserError(f"{cfg_file} is not a draft config (missing {', '.join(missing)}); re-export the draft")
         want = config.get("target", {})
         have = target.fingerprint().to_dict()
         if want != have:
             diff = ", ".join(f"{k}: draft {want.get(k)!r} vs target {have.get(k)!r}" for k in have if want.get(k) != have.get(k))
             raise UserError(f"draft '{directory}' was made for target '{config.get('target_name')}', "
                             f"not '{target.name}' ({diff}); pass the matching --target")
-        arch = DraftArch.from_dict(config["arch"])
-        state = load_file(str(weights))
-        model = cls(arch, TargetDims(**config["dims"]), d2t=state.get("d2t"))
+        try:
+            arch, dims = DraftArch.from_dict(config["arch"]), TargetDims(**config["dims"])
+        except (TypeError, ValueError, AttributeError, UserError) as err:
+            raise UserError(f"{cfg_file}: bad arch or dims ({err}); re-export the draft") from None
+        try:
+            state = load_file(str(weights))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{weights} is not a readable safetensors file ({str(err).splitlines()[0][:120]}); "
+                            "re-export the draft") from None
+        model = cls(arch, dims, d2t=state.get("d2t"))
         try:
             model.load_state_dict(state, strict=True)  # strict: any missing or extra tensor is an error
         except RuntimeError as err:

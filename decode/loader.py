@@ -24,7 +24,10 @@ def pick_device(device: str | None = None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device '{device}' requested but no CUDA GPU is visible; use --device cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device '{device}'; use cpu, cuda, cuda:N or auto") from None
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -22,8 +22,8 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise UserError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
 

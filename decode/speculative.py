@@ -50,7 +50,7 @@ def speculative_generate(
     sampling: SamplingConfig = SamplingConfig(),
     policy: TreePolicy | None = None,
 ) -> SpecResult:
-    check_max_new_tokens(max_new_tokens)
+    check_max_new_tokens(max_new_tokens, target, prompt)
     policy = policy or TreePolicy(spec=draft.default_tree)
     gen = make_generator(sampling, target.device)
     eos = target.eos_token_ids

@@ -37,9 +37,16 @@ class GenerationResult:
         return d
 
 
-def check_max_new_tokens(n: int) -> None:
+def check_max_new_tokens(n: int, target=None, prompt=None) -> None:
+    """n >= 1 and, given a target and prompt, prompt + n within the target's context (max_position_embeddings)."""
     if n < 1:
         raise UserError(f"max-new-tokens must be at least 1, got {n}")
+    if target is None or prompt is None:
+        return
+    limit = getattr(target.text_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt.length + n > limit:
+        raise UserError(f"the prompt ({prompt.length} tokens) + max-new-tokens ({n}) exceed {target.name}'s context of "
+                        f"{limit} positions; use --max-new-tokens {max(1, limit - prompt.length)} or less")
 
 
 def sync_device(device: torch.device) -> None:
@@ -53,7 +60,7 @@ def vanilla_generate(
     target: TargetModel, prompt: Prompt, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig()
 ) -> GenerationResult:
     """Decode token by token with the KV cache until EOS or max_new_tokens."""
-    check_max_new_tokens(max_new_tokens)
+    check_max_new_tokens(max_new_tokens, target, prompt)
     gen = make_generator(sampling, target.device)
     eos = target.eos_token_ids
     sync_device(target.device)  # GPU work queued before this call must not be timed as this prefill

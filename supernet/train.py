@@ -296,6 +296,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg = replace(cfg, **overrides)
     if cfg.steps < 1 or cfg.seqs_per_step < 1 or cfg.unroll < 1:
         raise UserError("steps, seqs-per-step and unroll must be >= 1")
+    if cfg.ckpt_every < 1:
+        raise UserError(f"--ckpt-every must be >= 1 (steps between checkpoints), got {cfg.ckpt_every}")
+    if not 0 < cfg.lr < float("inf"):
+        raise UserError(f"--lr must be a positive number, got {cfg.lr}")
+    if cfg.threads < 0:
+        raise UserError(f"--threads must be >= 0 (0: torch's default), got {cfg.threads}")
     if cfg.loss not in ("topk", "full"):
         raise UserError(f"--loss must be topk or full, got {cfg.loss!r}")
     if cfg.schedule not in ("sandwich", "progressive"):

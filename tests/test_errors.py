@@ -88,3 +88,70 @@ def test_every_bundled_photo_loads():
         assert min(bundled_photo(name).size) > 100
     with pytest.raises(UserError, match="unknown bundled photo"):
         bundled_photo("moon-landing")
+
+
+def _exported_draft(tmp_path):
+    from decode.drafts import make_draft
+
+    target = tiny_target("tiny-llama")
+    make_draft("random:concat", target).model.save_pretrained(tmp_path / "d", target)
+    return target, tmp_path / "d"
+
+
+@pytest.mark.parametrize("config", ["{not json", "[1, 2]", '{"format": "x"}', '{"arch": [1], "dims": {}, "target": {}}'])
+def test_bad_draft_config_is_one_line(tmp_path, config):
+    from decode.drafts import make_draft
+
+    target, d = _exported_draft(tmp_path)
+    fingerprint = json.loads((d / "draft_config.json").read_text())["target"]
+    if config.startswith('{"arch"'):  # right target, wrong shapes of arch/dims
+        config = json.dumps({"arch": [1], "dims": {}, "target": fingerprint})
+    (d / "draft_config.json").write_text(config)
+    with pytest.raises(UserError, match="draft_config.json|re-export"):
+        make_draft(str(d), target)
+
+
+@pytest.mark.parametrize("payload", [b"", b"garbage" * 10, None])
+def test_bad_draft_weights_are_one_line(tmp_path, payload):
+    from decode.drafts import make_draft
+
+    target, d = _exported_draft(tmp_path)
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100] if payload is None else payload)  # None: truncated
+    with pytest.raises(UserError, match="safetensors"):
+        make_draft(str(d), target)
+    with pytest.raises(UserError, match="safetensors"):  # the CLI prints it as one `error:` line (run_cli)
+        run_main(["--target", "tiny-llama", "--draft", str(d), "--prompt", "hi", "--max-new-tokens", "2"])
+
+
+def test_bad_device_and_infinite_temperature():
+    from decode.loader import pick_device
+
+    with pytest.raises(UserError, match="unknown device 'tpu'"):
+        pick_device("tpu")
+    with pytest.raises(UserError, match="finite"):
+        SamplingConfig(temperature=float("inf"))
+
+
+@pytest.mark.parametrize("flag,value", [("--ckpt-every", "0"), ("--lr", "-1"), ("--threads", "-2")])
+def test_bad_training_flags(tmp_path, flag, value):
+    from supernet.train import main as train_main
+
+    with pytest.raises(UserError, match=flag):
+        train_main(["--target", "tiny-llama", "--data", str(tmp_path), "--out", str(tmp_path / "o"), flag, value])
+
+
+def test_max_new_tokens_beyond_the_context_is_refused():
+    from decode.drafts import PromptLookupDraft
+    from decode.speculative import speculative_generate
+    from decode.vanilla import vanilla_generate
+
+    target = tiny_target("tiny-llama")
+    prompt = target.build_prompt("hello there")
+    limit = target.text_config.max_position_embeddings
+    for n in (limit, 10**9):
+        with pytest.raises(UserError, match="context"):
+            vanilla_generate(target, prompt, n)
+        with pytest.raises(UserError, match="context"):
+            speculative_generate(target, PromptLookupDraft(), prompt, n)
+    assert len(vanilla_generate(target, prompt, 4).tokens) <= 4
