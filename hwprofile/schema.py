@@ -95,8 +95,18 @@ class Profile:
 
     @classmethod
     def from_json(cls, d: dict) -> "Profile":
+        if not isinstance(d, dict):
+            raise UserError(f"not a hardware profile (a JSON {type(d).__name__}, expected an object of format {FORMAT!r})")
         if d.get("format") != FORMAT:
             raise UserError(f"not a hardware profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        try:
+            return cls._from_fields(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            missing = f"missing {err}" if isinstance(err, KeyError) else str(err)
+            raise UserError(f"damaged hardware profile ({missing}); re-create it with python -m hwprofile.profile") from None
+
+    @classmethod
+    def _from_fields(cls, d: dict) -> "Profile":
         prof = cls(
             hardware=d["hardware"], predicted=bool(d["predicted"]), device=d["device"], versions=d["versions"],
             dtype=d["dtype"], runtime=d["runtime"], date=d["date"], command=d.get("command", ""), target=d["target"],
@@ -112,12 +122,18 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         p = Path(path)
         if not p.is_file():
-            raise UserError(f"profile '{path}' does not exist; create it with python -m hwprofile.profile")
+            what = "is a directory, not a profile JSON file" if p.is_dir() else "does not exist"
+            raise UserError(f"profile '{path}' {what}; create one with python -m hwprofile.profile")
         try:
             raw = json.loads(p.read_text())
         except json.JSONDecodeError as err:
             raise UserError(f"profile '{path}' is not valid JSON ({err.msg} at line {err.lineno}); re-create it") from None
-        return cls.from_json(raw)
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"profile '{path}' cannot be read ({err.__class__.__name__}); re-create it") from None
+        try:
+            return cls.from_json(raw)
+        except UserError as err:
+            raise UserError(f"profile '{path}': {err}") from None
 
 
 def default_profile_path(hardware: str, target: str, root: Path = Path("profiles")) -> Path:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,13 +55,13 @@ class ExportConfig:
     merge: str = "union"  # union | switch (decode/drafts/merged.py)
 
 
-def lookup_extra(text: str | None, merge: str) -> dict | None:
-    """--lookup D:M:K / --merge -> the draft_config keys of kind neural+lookup (None: a plain neural draft)."""
+def lookup_extra(text: str | None, merge: str) -> dict:
+    """--lookup D:M:K / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind neural)."""
     from decode.drafts.merged import RULES
     from decode.drafts.prompt_lookup import LookupSpec
 
     if text is None:
-        return None
+        return {"kind": "neural"}
     if merge not in RULES:
         raise UserError(f"--merge must be one of {', '.join(RULES)}, got {merge!r}")
     try:
@@ -117,6 +119,16 @@ def prediction_metadata(attrs: dict) -> dict:
     return {"predicted": {k: attrs.get(k) for k in keys}}
 
 
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Move a finished directory into place: a killed export, or two workers exporting to one place, never
+    leave a weights file and a config from different exports side by side."""
+    old = dest.with_name(f".{dest.name}.old{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export_draft(supernet: DraftSupernet, arch: DraftArch, target: TargetModel, out: str | Path,
                  metadata: dict, extra: dict | None = None) -> Path:
     """Extract `arch` (weights copied), save it as a draft checkpoint, and check that it loads back.
@@ -161,7 +173,12 @@ def export(cfg: ExportConfig) -> Path:
         meta["finetune"] = finetune_subnet(supernet, arch, data, ids,
                                            FinetuneConfig.like_training(cfg.finetune_steps, state, cfg.finetune_lr))
         meta["predicted_before_finetune"] = True  # the prediction was made for the weights before fine-tuning
-    return export_draft(supernet, arch, target, cfg.out, meta, extra)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    export_draft(supernet, arch, target, tmp, meta, extra)  # written beside, then moved into place
+    replace_dir(tmp, out)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,7 +118,7 @@ def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     """The trained supernet checkpoint; skipped when it reached the scale's final step, resumed when short."""
-    from supernet.checkpoint import STATE
+    from supernet.checkpoint import STATE, recover
     from supernet.train import TrainConfig, scale_defaults, train
 
     out = cfg.run_dir / "supernet"
@@ -127,6 +127,8 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     settings = {k: v for k, v in scale_defaults(cfg.scale, "train").items() if k in known}
     train_cfg = TrainConfig(**{**settings, "target": cfg.target, "data": str(data_dir), "out": str(out),
                                "space": cfg.space_name, "scale": cfg.scale, "device": cfg.device, "dtype": cfg.dtype})
+    if recover(ck):
+        logger.warning("supernet stage: %s restored after an interrupted save", ck)
     if (ck / STATE).is_file():
         step = int(json.loads((ck / STATE).read_text()).get("step", 0))
         if step >= train_cfg.steps:

@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -115,15 +114,6 @@ class SearchResult:
 def _json(obj) -> object:
     """Normalised as it comes back from Optuna's storage (tuples -> lists)."""
     return json.loads(json.dumps(obj))
-
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Move a finished directory into place (another worker may be exporting to the same place)."""
-    old = dest.with_name(f".{dest.name}.old{os.getpid()}")
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass
@@ -216,14 +206,14 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
     from decode.arch import DraftArch
     from decode.drafts.kinds import save_training_free
     from decode.drafts.prompt_lookup import LookupSpec
-    from nas.export import export_draft
+    from nas.export import export_draft, replace_dir
 
     kind = best.get("kind", "neural")
     tmp = out / f".draft.tmp{os.getpid()}"
     if kind in ("none", "prompt-lookup"):
         lookup = LookupSpec(**best["lookup"]) if best.get("lookup") else None
         save_training_free(tmp, kind, inp.target, lookup, meta)
-        _replace_dir(tmp, out / "draft")
+        replace_dir(tmp, out / "draft")
         return out / "draft"
     extra = {"kind": kind, **({"lookup": best["lookup"], "merge": best.get("merge", "union")}
                               if best.get("lookup") else {})}
@@ -232,7 +222,7 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
     if best.get("tuned"):
         net, meta["finetune"] = inp.tuned
     export_draft(net, arch, inp.target, tmp, meta, extra)
-    _replace_dir(tmp, out / "draft")
+    replace_dir(tmp, out / "draft")
     return out / "draft"
 
 

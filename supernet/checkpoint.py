@@ -44,7 +44,21 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     shutil.rmtree(old, ignore_errors=True)
 
 
+def recover(directory: Path) -> bool:
+    """A save killed between its two renames leaves no `directory`, but `.tmp` (complete: state.json is
+    written last) and/or `.old` (the previous checkpoint). Put the newest complete one back; -> recovered."""
+    directory = Path(directory)
+    if directory.exists():
+        return False
+    for candidate in (directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")):
+        if (candidate / STATE).is_file() and (candidate / MODEL).is_file() and (candidate / OPTIM).is_file():
+            os.replace(candidate, directory)
+            return True
+    return False
+
+
 def read_state(directory: Path) -> dict:
+    recover(directory)
     f = Path(directory) / STATE
     if not f.is_file():
         raise UserError(f"no supernet checkpoint in '{directory}' (missing {STATE}); train one with supernet.train")

@@ -155,3 +155,19 @@ def test_max_new_tokens_beyond_the_context_is_refused():
         with pytest.raises(UserError, match="context"):
             speculative_generate(target, PromptLookupDraft(), prompt, n)
     assert len(vanilla_generate(target, prompt, 4).tokens) <= 4
+
+
+def test_bad_profile_files_are_one_line(tmp_path):
+    from hwprofile.latency import LatencyModel
+    from hwprofile.schema import FORMAT
+
+    cases = {"list.json": "[1, 2]", "keys.json": json.dumps({"format": FORMAT, "hardware": "cpu"}),
+             "tables.json": json.dumps({"format": FORMAT, "hardware": "cpu", "predicted": False, "device": {},
+                                        "versions": {}, "dtype": "float32", "runtime": "eager", "date": "",
+                                        "target": {}, "space": {}, "config": {}, "grids": {}, "tables": [1]})}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(UserError, match=f"profile '.*{name}'"):
+            LatencyModel.load(tmp_path / name)
+    with pytest.raises(UserError, match="is a directory"):
+        LatencyModel.load(tmp_path)

@@ -174,6 +174,12 @@ def test_export_cli_trial_and_arch(assets, tmp_path):
     # merged with lookup (kind neural+lookup) by the same CLI
     assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "m"),
                         "--device", "cpu", "--lookup", "4:2:1", "--merge", "switch"]) == 0
+    assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "m"),
+                        "--device", "cpu"]) == 0  # over an existing export: replaced whole (written beside, moved)
+    assert json.loads((tmp_path / "m" / "draft_config.json").read_text())["kind"] == "neural"
+    assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "m"),
+                        "--device", "cpu", "--lookup", "4:2:1", "--merge", "switch"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary leftovers
     merged = make_draft(str(tmp_path / "m"), target)
     assert merged.rule == "switch" and merged.lookup.spec.tree_depth == 4 and merged.lookup.spec.max_ngram == 2
     assert speculative_generate(target, merged, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens

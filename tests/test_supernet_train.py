@@ -125,3 +125,18 @@ def test_torchrun_two_processes(data_dir, tmp_path):
     ckpt.load_weights(out / "checkpoint", model)  # same format as a single-process checkpoint
     rows = list(csv.DictReader(open(out / "train_log.csv")))
     assert len(rows) == 2 * 3  # 2 steps x (largest, smallest, 1 random), logged once (rank 0)
+
+
+@pytest.mark.parametrize("left", ["tmp", "old"])
+def test_resume_after_a_save_killed_between_its_renames(data_dir, tmp_path, left):
+    """A kill between `checkpoint -> checkpoint.old` and `checkpoint.tmp -> checkpoint` leaves no checkpoint;
+    resuming takes the complete .tmp (the newer save) or, without one, .old."""
+    import os
+
+    train(_cfg(data_dir, tmp_path / "straight"))
+    train(_cfg(data_dir, tmp_path / "split", steps=3))
+    ck = tmp_path / "split" / "checkpoint"
+    os.replace(ck, ck.with_name("checkpoint." + left))  # what the kill leaves behind
+    train(_cfg(data_dir, tmp_path / "split", resume=True))
+    assert ck.is_dir() and not ck.with_name("checkpoint." + left).exists()
+    assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
