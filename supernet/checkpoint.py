@@ -25,6 +25,10 @@ MODEL, OPTIM, STATE = "supernet.safetensors", "optimizer.safetensors", "state.js
 
 def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     directory = Path(directory)
+    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:  # never replace a good checkpoint with NaN weights
+        raise UserError(f"refusing to save a checkpoint with non-finite weights ({len(bad)} tensors, e.g. {bad[0]}); "
+                        f"the last good one stays in {directory}")
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

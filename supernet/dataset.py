@@ -23,6 +23,7 @@ fingerprint (target weights digest), prompt_ids / sequence_ids (JSON lists), ski
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,6 +36,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from decode.errors import UserError
+
+
+@contextlib.contextmanager
+def open_shard(path: Path):
+    """safe_open with a one-line UserError for a missing, truncated or garbage file."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            yield f
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"data file {path} cannot be read ({str(err).splitlines()[0][:120]}); rebuild the data with "
+                        "supernet.data (it resumes from the intact shards)") from None
+
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +113,7 @@ def summarize_shards(out: Path, shards: list[dict], vocab: int, num_layers: int,
     ent = torch.zeros(num_layers, dtype=torch.float64)
     tokens = loss_tokens = image_tokens = 0
     for s in shards:
-        with safe_open(str(out / s["file"]), "pt") as f:
+        with open_shard(out / s["file"]) as f:
             ids, loss = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask")
             image, e = f.get_tensor("image_mask"), f.get_tensor("attn_entropy")
         # loss_mask is False at each sequence's last position, so a global shift never crosses sequences
@@ -224,8 +237,14 @@ class FeatureData:
 
     def _shard(self, j: int) -> dict[str, torch.Tensor]:
         if self._cached is None or self._cached[0] != j:
-            with safe_open(str(self.dir / self.shards[j]["file"]), "pt") as f:
-                self._cached = (j, {k: f.get_tensor(k) for k in f.keys()})
+            path = self.dir / self.shards[j]["file"]
+            with open_shard(path) as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            for k, v in tensors.items():  # NaN features would train NaN weights silently
+                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                    raise UserError(f"data shard {path} holds non-finite values (NaN/inf) in '{k}'; delete it and "
+                                    "rebuild the data with supernet.data")
+            self._cached = (j, tensors)
         return self._cached[1]
 
     def __getitem__(self, i: int) -> dict:
@@ -246,7 +265,7 @@ class FeatureData:
         answer_only); reads only the small per-token masks of each shard, not the features."""
         out: list[int] = []
         for s in self.shards:
-            with safe_open(str(self.dir / s["file"]), "pt") as f:
+            with open_shard(self.dir / s["file"]) as f:
                 offsets, plen, mask = f.get_tensor("offsets"), f.get_tensor("prompt_len"), f.get_tensor("loss_mask")
             for k in range(offsets.numel() - 1):
                 a, b = int(offsets[k]), int(offsets[k + 1])
@@ -257,7 +276,7 @@ class FeatureData:
     def token_counts(self) -> torch.Tensor:
         """(V,) int64: how often each token is a trained next token."""
         if self._counts is None:
-            with safe_open(str(self.dir / COUNTS), "pt") as f:
+            with open_shard(self.dir / COUNTS) as f:
                 self._counts = f.get_tensor("counts")
         return self._counts
 

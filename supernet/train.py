@@ -208,6 +208,7 @@ def train(cfg: TrainConfig) -> Path:
     on_gpu = target.device.type == "cuda"
     t0 = time.perf_counter()
     bar = tqdm(range(start, cfg.steps), desc="supernet", disable=not d.main, initial=start, total=cfg.steps)
+    bad_steps = 0
     for step in bar:
         if cfg.time_budget_s > 0 and time.perf_counter() - t0 >= cfg.time_budget_s:
             logger.info("time budget of %.0f s reached after %d steps", cfg.time_budget_s, step)
@@ -234,7 +235,16 @@ def train(cfg: TrainConfig) -> Path:
                          f"{agg.get('acc0', 0):.3f}", int(sum(v for k, v in agg.items() if k[0] == "n" and k[1:].isdigit())),
                          arch.to_json(), f"{time.perf_counter() - t0:.1f}"])
         average_gradients(params, d)
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        if not bool(torch.isfinite(norm)):  # a NaN/inf loss or gradient: skip this step once, then stop
+            opt.zero_grad(set_to_none=True)
+            bad_steps += 1
+            logger.warning("step %d: non-finite loss or gradient; step skipped", step)
+            if bad_steps > 1:
+                raise UserError(f"training diverged: non-finite loss or gradients at step {step} after a skipped step "
+                                f"(checkpoint {ck_dir} holds the last finite weights); lower --lr or check the data")
+            continue
+        bad_steps = 0
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.reorder_at and step + 1 == cfg.reorder_at:

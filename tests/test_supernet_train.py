@@ -140,3 +140,50 @@ def test_resume_after_a_save_killed_between_its_renames(data_dir, tmp_path, left
     train(_cfg(data_dir, tmp_path / "split", resume=True))
     assert ck.is_dir() and not ck.with_name("checkpoint." + left).exists()
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
+
+
+def _copy_data(data_dir, dest):
+    import shutil
+
+    shutil.copytree(data_dir, dest)
+    return dest
+
+
+def test_nan_data_and_damaged_shards_are_refused(data_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    bad = _copy_data(data_dir, tmp_path / "nan")
+    shard = sorted(bad.glob("shard-*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    key = next(k for k in tensors if k.startswith("hidden."))
+    tensors[key][0, 0] = float("nan")  # a valid header, a NaN payload
+    save_file(tensors, str(shard))
+    with pytest.raises(UserError, match="non-finite"):
+        train(_cfg(bad, tmp_path / "o1", steps=3))
+    assert not (tmp_path / "o1" / "checkpoint").exists()
+    for name, damage in (("trunc", lambda p: p.write_bytes(p.read_bytes()[:200])), ("gone", lambda p: p.unlink())):
+        d = _copy_data(data_dir, tmp_path / name)
+        damage(sorted(d.glob("shard-*.safetensors"))[0])
+        with pytest.raises(UserError, match="shard"):
+            train(_cfg(d, tmp_path / f"o-{name}", steps=3))
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(data_dir, tmp_path, monkeypatch):
+    """One non-finite step is skipped; a second in a row stops training with a clear error, and the checkpoint
+    on disk is the last finite one (never NaN weights)."""
+    import supernet.train as train_mod
+
+    train(_cfg(data_dir, tmp_path / "run", steps=3, ckpt_every=3))
+    good = load_file(str(tmp_path / "run" / "checkpoint" / ckpt.MODEL))
+    real = train_mod.subnet_losses
+
+    def poisoned(model, seq, cfg, seed=0, negatives=None):
+        loss, stats = real(model, seq, cfg, seed=seed, negatives=negatives)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(train_mod, "subnet_losses", poisoned)
+    with pytest.raises(UserError, match="diverged"):
+        train(_cfg(data_dir, tmp_path / "run", steps=8, ckpt_every=1, resume=True))
+    after = load_file(str(tmp_path / "run" / "checkpoint" / ckpt.MODEL))
+    assert all(torch.equal(good[k], after[k]) for k in good)
+    assert all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point())
