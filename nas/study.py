@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -35,11 +37,18 @@ def sqlite_url(path: str | Path) -> str:
     return f"sqlite:///{Path(path).resolve()}"
 
 
+HEARTBEAT_S = 10  # a running trial records a heartbeat this often ...
+GRACE_S = int(os.environ.get("VLM_DRAFT_NAS_GRACE_S", "60"))  # ... and is a dead worker's after this long without
+
+
 def open_storage(url: str, retries: int = 3) -> optuna.storages.RDBStorage:
     """An RDBStorage for `url`; UserError (one line) when it cannot be opened.
 
     SQLite gets a 60 s busy timeout so that concurrent workers wait for each other's writes instead of
     failing with "database is locked"; table creation is retried (two fresh workers may race on it).
+    Running trials send heartbeats: a trial whose worker was killed is marked FAIL by the next worker
+    (at the start of its next trial, after GRACE_S without a heartbeat) and its arch is queued again once
+    (RetryHeartbeatStaleTrialCallback), so a killed search loses nothing but the trial in flight.
     """
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     if url.startswith("sqlite:///"):
@@ -48,7 +57,11 @@ def open_storage(url: str, retries: int = 3) -> optuna.storages.RDBStorage:
             raise UserError(f"cannot open storage '{url}': folder {parent} does not exist")
     for attempt in range(retries):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+            with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 5: no warning per run
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
         except SQLAlchemyError as err:
             msg = str(err).lower()
             racing = ("locked", "already exists", "unique constraint")  # two fresh workers creating the tables

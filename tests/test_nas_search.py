@@ -259,3 +259,41 @@ def test_pipeline_builds_once_then_reuses(tmp_path):
     prompt = tiny_prompt(target)
     draft = make_draft(str(res2.draft), target)
     assert speculative_generate(target, draft, prompt, 12).tokens == vanilla_generate(target, prompt, 12).tokens
+
+
+def test_a_killed_worker_trial_is_failed_and_its_arch_rerun(assets, tmp_path, monkeypatch):
+    """kill -9 of a search mid-trial leaves it RUNNING; the next run marks it FAIL (no heartbeat for
+    GRACE_S) and scores its arch again, instead of listing a RUNNING trial forever."""
+    import signal
+    import time
+
+    import nas.study
+
+    storage = f"sqlite:///{tmp_path / 'k.db'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nas.search", "--target", TARGET, "--supernet", assets["supernet"], "--profile",
+           assets["profile"], "--heldout", "2", "--trials", "6", "--storage", storage, "--study-name", "k",
+           "--device", "cpu", "--threads", "1", "--no-export", "--out", str(tmp_path / "k")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = None
+    deadline = time.time() + 180
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        try:
+            study = optuna.load_study(study_name="k", storage=storage)
+            running = [t.number for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING]
+        except (KeyError, Exception):  # the study does not exist yet
+            running = []
+        if running:
+            proc.send_signal(signal.SIGKILL)
+            killed = running[0]
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert killed is not None, "the worker finished before a trial could be caught running"
+    monkeypatch.setattr(nas.study, "GRACE_S", 1)
+    time.sleep(2.5)  # > grace: the killed worker's heartbeat is stale
+    run_search(_cfg(assets, tmp_path / "k2", storage=storage, study_name="k", trials=1, export=False))
+    trials = optuna.load_study(study_name="k", storage=storage).get_trials(deepcopy=False)
+    assert trials[killed].state == optuna.trial.TrialState.FAIL
+    retried = [t for t in trials if t.system_attrs.get("failed_trial") == killed]
+    assert retried and retried[0].params == trials[killed].params
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
