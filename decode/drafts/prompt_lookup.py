@@ -83,14 +83,15 @@ class NgramIndex:
 
     def continuations(self, root: int, depth: int, limit: int) -> list[list[int]]:
         """Up to `limit` distinct continuations of the history + [root], best first (module docstring)."""
-        seq = self.seq + [root]
-        end = len(seq)
+        hist = self.seq  # the root follows it; not copied (this runs every cycle)
+        end = len(hist) + 1
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            starts = self.where.get(tuple(seq[end - n:]), [])
+            starts = self.where.get((*hist[end - n:], root), [])
             # occurrences that end before the suffix itself (the root is not indexed: all of them do)
             found: list[list[int]] = []
             for s in reversed(starts):
-                cont = seq[s + n: s + n + depth]
+                a, b = s + n, s + n + depth
+                cont = hist[a:b] + ([root] if b > len(hist) >= a else [])  # history + [root], sliced
                 if cont and cont not in found:
                     found.append(cont)
             if found:
