@@ -32,6 +32,7 @@ from decode.benchio import VANILLA, Method, check_tree_args, default_out_path, e
     measure, merge_hists, warm_up, write_json
 from decode.datasets import PromptItem, parse_prompt_spec
 from decode.errors import UserError
+from decode.paths import writable_dir, writable_file
 from decode.sampling import SamplingConfig
 from decode.vanilla import check_max_new_tokens
 
@@ -257,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir=str(args.cache_dir) if args.cache_dir else None, out=args.out,
     )
     paths: list[Path] = []
+    if config.out:  # checked before the target loads and the prompts run
+        writable_file(config.out)
+    else:
+        writable_dir("benchmarks/results")
 
     def save(partial: dict) -> Path:  # the same file after every prompt, then the final result
         if not paths:

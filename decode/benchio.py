@@ -244,10 +244,10 @@ def environment(device: torch.device) -> dict:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """sys.argv joined, with `python -m decode.X` for a module run."""
+    """sys.argv shell-quoted, with `python -m PKG.MOD` for a module run of this project (any package)."""
     argv = list(sys.argv if argv is None else argv)
-    if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name == "decode":
-        argv[0] = f"python -m decode.{Path(argv[0]).stem}"
+    if argv and argv[0].endswith(".py") and Path(argv[0]).parent.name in ("decode", "hwprofile", "nas", "supernet"):
+        argv[0] = f"python -m {Path(argv[0]).parent.name}.{Path(argv[0]).stem}"
     return " ".join(argv[:1] + [shlex.quote(a) for a in argv[1:]])
 
 

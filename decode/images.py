@@ -22,11 +22,16 @@ def load_image(image: object) -> Image.Image:
     if text.startswith("skimage:"):
         return bundled_photo(text.split(":", 1)[1])
     path = Path(text)
+    if path.is_dir():
+        raise UserError(f"image '{text}' is a folder; give the path of a PNG/JPEG file or skimage:NAME")
     if not path.is_file():
         raise UserError(f"image '{text}' does not exist; give the path of a PNG/JPEG file or skimage:NAME ({', '.join(BUNDLED_PHOTOS)})")
     try:
         with Image.open(path) as im:
             return im.convert("RGB")
+    except Image.DecompressionBombError:  # Pillow refuses more than 2 x MAX_IMAGE_PIXELS before decoding
+        raise UserError(f"image '{text}' is too large to decode safely (over {2 * Image.MAX_IMAGE_PIXELS:,} pixels); "
+                        "downscale it first (the vision encoder resizes it to a few hundred pixels anyway)") from None
     except (UnidentifiedImageError, OSError) as err:
         raise UserError(f"cannot read image '{text}' ({err.__class__.__name__}); give a PNG/JPEG file") from None
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from decode.arch import max_tree_nodes
 from hwprofile.timing import TimingConfig
-from supernet.space import SearchSpace
+from supernet.space import SearchSpace, default_space_name
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,7 @@ class ProfileConfig:
 
     @property
     def space_name(self) -> str:
-        if self.space is not None:
-            return self.space
-        return "tiny" if self.target.startswith("tiny-") else "default"
+        return self.space if self.space is not None else default_space_name(self.target)
 
 
 @dataclass(frozen=True)

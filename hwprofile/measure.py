@@ -6,11 +6,11 @@ import datetime
 import logging
 import os
 import platform
-import sys
 import time
 
 import torch
 
+from decode.benchio import command_line
 from decode.loader import load_target, pick_device, pick_dtype
 from decode.target import TargetModel
 from hwprofile.bench_draft import measure_draft
@@ -55,13 +55,6 @@ def load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
         return None
-
-
-def command_line() -> str:
-    argv = list(sys.argv)
-    if argv and argv[0].endswith(".py"):
-        argv[0] = "python -m hwprofile." + argv[0].rsplit("/", 1)[-1][:-3]
-    return " ".join(argv)
 
 
 def open_target(cfg: ProfileConfig) -> TargetModel:

@@ -18,12 +18,13 @@ import logging
 import time
 from pathlib import Path
 
+from decode.benchio import command_line
 from decode.errors import UserError
 from hwprofile.bench_draft import measure_draft
 from hwprofile.bench_target import census_target
 from hwprofile.config import ProfileConfig, default_grids
 from hwprofile.device import DeviceInfo
-from hwprofile.measure import command_line, load_space, measure_profile, open_target, target_info, versions
+from hwprofile.measure import load_space, measure_profile, open_target, target_info, versions
 from hwprofile.roofline import OP_CLASS, fit_calibration
 from hwprofile.schema import TABLE_AXES, Profile, default_profile_path
 from hwprofile.specs import dtype_key, load_spec

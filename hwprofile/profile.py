@@ -24,6 +24,7 @@ from pathlib import Path
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.errors import UserError
 from decode.loader import pick_device
+from decode.paths import writable_file
 from hwprofile.config import ProfileConfig
 from hwprofile.device import local_device
 from hwprofile.schema import Profile, default_profile_path
@@ -68,7 +69,7 @@ def run(cfg: ProfileConfig, progress: bool = True) -> tuple[Profile, Path]:
     if hardware != local.hardware and not cfg.predict:
         raise UserError(f"this machine is '{local.hardware}' ({local.name}), not '{hardware}': run on a {hardware} "
                         f"to measure it, or add --predict for a roofline prediction calibrated here")
-    out = Path(cfg.out) if cfg.out else default_profile_path(hardware, cfg.target)
+    out = writable_file(cfg.out if cfg.out else default_profile_path(hardware, cfg.target))  # before minutes of work
     cfg = replace(cfg, hardware=hardware, out=str(out))
     if cfg.predict:
         from hwprofile.predict import predict_profile

@@ -21,13 +21,14 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
+from decode.benchio import command_line
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.drafts import make_draft
 from decode.errors import UserError
 from decode.loader import load_target
 from decode.speculative import speculative_generate
 from decode.vanilla import sync_device, vanilla_generate
-from hwprofile.measure import command_line, versions
+from hwprofile.measure import versions
 
 logger = logging.getLogger("hwprofile.trace")
 PROMPT = "Write a short story about a robot who learns to paint."

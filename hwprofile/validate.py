@@ -20,10 +20,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from decode.benchio import command_line
 from decode.cli import run_cli, setup_logging
 from decode.errors import UserError
 from decode.loader import load_target
-from hwprofile.measure import command_line, load_average, versions
+from hwprofile.measure import load_average, versions
 from hwprofile.schema import Profile
 from hwprofile.validation import ValidateConfig, local_device_for, validate_profile
 

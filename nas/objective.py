@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -251,6 +252,14 @@ class SpeedupObjective:
         choose_tree = self.config.tree == "best" and "start" not in trial.user_attrs  # enqueued archs keep theirs
         arch = suggest_arch(trial, self.space, self.entropy_layer, tree=not choose_tree)
         proposal = arch.to_json()
+        trial.set_user_attr("proposal", proposal)  # at once: workers sharing the study see it while it runs
+        done = None if proposal in self.proposals else scored_elsewhere(trial, proposal)
+        if done is not None:  # another worker scored this arch: its result, counted as a repeat (not scored twice)
+            self.proposals.add(proposal)
+            for key, value in done.user_attrs.items():
+                trial.set_user_attr(key, value)
+            trial.set_user_attr("repeat", True)
+            return tuple(done.values) if self.config.pareto else done.values[0]
         repeat = proposal in self.proposals  # samplers re-propose archs on small categorical spaces
         self.proposals.add(proposal)
         ev = self.best_tree(arch) if choose_tree else self.evaluate(arch)
@@ -263,6 +272,26 @@ class SpeedupObjective:
             logger.debug("trial %d: tau %.3f, cycle %.2f ms, speed-up %.3f", trial.number, ev.tau, ev.cycle_ms,
                          ev.speedup)
         return (ev.speedup, float(ev.params)) if self.config.pareto else ev.speedup
+
+
+def scored_elsewhere(trial: optuna.Trial, proposal: str, wait_s: float = 120.0,
+                     poll_s: float = 0.25) -> optuna.trial.FrozenTrial | None:
+    """A finished trial of another worker with the same proposal, or None (then this trial scores it).
+
+    An earlier-numbered trial still RUNNING with that proposal is waited for (up to `wait_s`: a dead worker's
+    trial never finishes), so two workers never replay the same arch; a later-numbered one waits for this one.
+    """
+    state = optuna.trial.TrialState
+    deadline = time.monotonic() + wait_s
+    while True:
+        same = [t for t in trial.study.get_trials(deepcopy=False, states=(state.COMPLETE, state.RUNNING))
+                if t.number != trial.number and t.user_attrs.get("proposal") == proposal]
+        done = [t for t in same if t.state == state.COMPLETE and t.values]
+        if done:
+            return min(done, key=lambda t: t.number)
+        if not any(t.number < trial.number for t in same) or time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
 
 
 def constraints_func(trial: optuna.trial.FrozenTrial) -> Sequence[float]:

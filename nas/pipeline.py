@@ -12,14 +12,17 @@ Everything goes under one run folder, by default
 
 Each stage skips when its output is complete (a finished data manifest; a checkpoint at the final
 step) and resumes when it is partial (data shards are resumable; training resumes from its last
-checkpoint), so a second run goes straight to the search. The scale file's optional `nas` section
+checkpoint), so a second run goes straight to the search. Each stage holds a file lock in the run
+folder: concurrent workers on one cache build every stage once (the others wait, then reuse it). The scale file's optional `nas` section
 sets the search defaults (trials, heldout, quick_profile, heldout_data).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -47,9 +50,9 @@ class PipelineConfig:
 
     @property
     def space_name(self) -> str:
-        if self.space is not None:
-            return self.space
-        return "tiny" if Path(self.target).name.startswith("tiny-") else "default"
+        from supernet.space import default_space_name
+
+        return self.space if self.space is not None else default_space_name(self.target)
 
     @property
     def run_dir(self) -> Path:
@@ -86,34 +89,52 @@ def _complete(out: Path) -> bool:
     return manifest is not None and bool(manifest.get("complete"))
 
 
+@contextlib.contextmanager
+def stage_lock(cfg: PipelineConfig, stage: str) -> Iterator[None]:
+    """Hold run_dir/.<stage>.lock: a second worker on the same cache waits here, then finds the stage complete
+    and reuses it instead of building it again. The OS drops the lock of a killed worker."""
+    import fcntl
+
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    with open(cfg.run_dir / f".{stage}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("%s stage: another worker is running it (%s); waiting to reuse its result", stage, f.name)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def data_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
     """Training features of the scale's prompts (train split); skipped when a complete manifest is there."""
     from supernet.data import build_data
 
     out = cfg.run_dir / "data"
-    if _complete(out):
-        logger.info("data stage: reusing %s", out)
-        return out
-    logger.warning("data stage: building %s-scale features of %s -> %s", cfg.scale, cfg.target, out)
-    return build_data(_data_config(cfg, out, split="train"), target=target)
+    with stage_lock(cfg, "data"):
+        if _complete(out):
+            logger.info("data stage: reusing %s", out)
+            return out
+        logger.warning("data stage: building %s-scale features of %s -> %s", cfg.scale, cfg.target, out)
+        return build_data(_data_config(cfg, out, split="train"), target=target)
 
 
 def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
     """Held-out features for tau (held-out split, regenerated answers); skipped when complete."""
     from supernet.data import build_data
 
-    out = cfg.run_dir / "heldout"
-    if _complete(out):
-        logger.info("held-out stage: reusing %s", out)
-        return out
-    logger.warning("held-out stage: building held-out features of %s -> %s", cfg.target, out)
-    settings = nas_defaults(cfg.scale)["heldout_data"]
-    # the entropy layer must be the supernet's: take it from the training data instead of calibrating again
     from supernet.dataset import FeatureData
 
-    entropy = FeatureData(cfg.run_dir / "data").entropy_layer
-    return build_data(_data_config(cfg, out, **{**settings, "regen_batch": 1, "min_answer": 0}, split="heldout",
-                                   entropy_layer=entropy), target=target)
+    out = cfg.run_dir / "heldout"
+    with stage_lock(cfg, "heldout"):
+        if _complete(out):
+            logger.info("held-out stage: reusing %s", out)
+            return out
+        logger.warning("held-out stage: building held-out features of %s -> %s", cfg.target, out)
+        settings = nas_defaults(cfg.scale)["heldout_data"]
+        # the entropy layer must be the supernet's: take it from the training data instead of calibrating again
+        entropy = FeatureData(cfg.run_dir / "data").entropy_layer
+        return build_data(_data_config(cfg, out, **{**settings, "regen_batch": 1, "min_answer": 0}, split="heldout",
+                                       entropy_layer=entropy), target=target)
 
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
@@ -127,18 +148,19 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     settings = {k: v for k, v in scale_defaults(cfg.scale, "train").items() if k in known}
     train_cfg = TrainConfig(**{**settings, "target": cfg.target, "data": str(data_dir), "out": str(out),
                                "space": cfg.space_name, "scale": cfg.scale, "device": cfg.device, "dtype": cfg.dtype})
-    if recover(ck):
-        logger.warning("supernet stage: %s restored after an interrupted save", ck)
-    if (ck / STATE).is_file():
-        step = int(json.loads((ck / STATE).read_text()).get("step", 0))
-        if step >= train_cfg.steps:
-            logger.info("supernet stage: reusing %s (step %d)", ck, step)
-            return ck
-        logger.warning("supernet stage: resuming %s from step %d of %d", ck, step, train_cfg.steps)
-        train_cfg = TrainConfig(**{**asdict(train_cfg), "resume": True})
-    else:
-        logger.warning("supernet stage: training a %s-scale supernet for %s -> %s", cfg.scale, cfg.target, out)
-    return train(train_cfg)
+    with stage_lock(cfg, "supernet"):
+        if recover(ck):
+            logger.warning("supernet stage: %s restored after an interrupted save", ck)
+        if (ck / STATE).is_file():
+            step = int(json.loads((ck / STATE).read_text()).get("step", 0))
+            if step >= train_cfg.steps:
+                logger.info("supernet stage: reusing %s (step %d)", ck, step)
+                return ck
+            logger.warning("supernet stage: resuming %s from step %d of %d", ck, step, train_cfg.steps)
+            train_cfg = TrainConfig(**{**asdict(train_cfg), "resume": True})
+        else:
+            logger.warning("supernet stage: training a %s-scale supernet for %s -> %s", cfg.scale, cfg.target, out)
+        return train(train_cfg)
 
 
 def profile_stage(cfg: PipelineConfig, target: TargetModel, hardware: str | None, quick: bool,
@@ -148,8 +170,9 @@ def profile_stage(cfg: PipelineConfig, target: TargetModel, hardware: str | None
     from nas.hardware import resolve_profile
 
     own = cfg.run_dir / "profiles"
-    return resolve_profile(target, hardware, None, [stored, own], own, device=cfg.device, space=cfg.space_name,
-                           quick=quick, cache_dir=cfg.cache_dir)
+    with stage_lock(cfg, "profile"):
+        return resolve_profile(target, hardware, None, [stored, own], own, device=cfg.device, space=cfg.space_name,
+                               quick=quick, cache_dir=cfg.cache_dir)
 
 
 def prepare(cfg: PipelineConfig, target: TargetModel, heldout: bool = True) -> tuple[Path, Path | None]:

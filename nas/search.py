@@ -26,12 +26,14 @@ import argparse
 import json
 import logging
 import os
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from decode.cli import run_cli, setup_logging
 from decode.errors import UserError
+from decode.paths import writable_dir
 from nas.objective import TREE_MODES
 from nas.study import SAMPLERS
 
@@ -163,8 +165,9 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     quick = bool(defaults["quick_profile"])
     if cfg.profile is None and cfg.supernet is None:  # the pipeline: new profiles go to its run folder
         choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir))
-    else:
-        choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir)], Path(cfg.profile_dir),
+    else:  # a profile made now belongs to this search's output folder, never to the checkout's profiles/
+        own = out_dir(cfg, cfg.hardware or local_hardware(cfg.device), target.name) / "profiles"
+        choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir), own], own,
                                  device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir)
     warn_extrapolation(choice.latency, space)
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults)
@@ -301,6 +304,11 @@ def sweep_store(cfg: SearchConfig, inp: Inputs) -> Path | None:
     return store
 
 
+def out_dir(cfg: SearchConfig, hardware: str, target_name: str) -> Path:
+    """--out, else out/nas-<hardware>-<target>."""
+    return Path(cfg.out or f"out/nas-{hardware}-{Path(target_name).name}")
+
+
 def run_search(cfg: SearchConfig) -> SearchResult:
     import optuna
 
@@ -312,6 +320,9 @@ def run_search(cfg: SearchConfig) -> SearchResult:
 
     cfg.check()
     storage = open_storage(cfg.storage) if cfg.storage is not None else None  # a bad URL fails first
+    writable_dir(cfg.out or "out")  # before data, training and profiling: the results must be savable
+    if cfg.cache_dir is not None:
+        writable_dir(cfg.cache_dir, "--cache-dir")
     inp = prepare_inputs(cfg)
     target, choice, held = inp.target, inp.profile, inp.held
     latency = choice.latency
@@ -321,7 +332,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
                               bytes_per_value=4 if latency.profile.dtype == "float32" else 2, tree=cfg.tree)
 
     tname = Path(target.name).name
-    out = Path(cfg.out or f"out/nas-{choice.hardware}-{tname}")
+    out = out_dir(cfg, choice.hardware, target.name)
     out.mkdir(parents=True, exist_ok=True)
     url = cfg.storage or sqlite_url(out / "study.db")
     storage = storage or open_storage(url)
@@ -377,7 +388,8 @@ def run_search(cfg: SearchConfig) -> SearchResult:
                 "storage": url, "supernet": setup["supernet"], "heldout": held.source,
                 "heldout_approximate": held.approximate, "context": objective.context, "search": asdict(cfg)}
         draft = export_best(cfg, inp, chosen, meta, out)
-        command = f'python -m decode.run --target {target.name} --draft {draft} --prompt "{EXAMPLE_PROMPT}" --compare'
+        command = shlex.join(["python", "-m", "decode.run", "--target", target.name, "--draft", str(draft), "--prompt",
+                              EXAMPLE_PROMPT, "--compare"])  # quoted: a path with spaces copy-pastes
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
                "draft": str(draft) if draft else None, "command": command, "tau_cache_hits": tau.hits,

@@ -42,7 +42,7 @@ from decode.vanilla import vanilla_generate
 from supernet.dataset import FORMAT, MANIFEST, bytes_per_token, check_target, read_manifest, read_shard_meta, \
     shard_name, summarize_shards, write_json_atomic, write_shard
 from supernet.entropy import EntropyChoice, calibrate
-from supernet.space import SearchSpace
+from supernet.space import SearchSpace, default_space_name
 
 logger = logging.getLogger("supernet.data")  # not __main__ under python -m
 
@@ -343,8 +343,10 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
     from decode.benchio import environment
     from decode.loader import load_target
 
+    from decode.paths import writable_dir
+
     config.check()
-    out = Path(config.out)
+    out = writable_dir(config.out)  # before the target loads and minutes of feature extraction
     old = read_manifest(out)
     if target is None:
         target = load_target(config.target, device=config.device, dtype=config.dtype,
@@ -433,8 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"answers: the dataset's or the target's own (default: {d.mode})")
     p.add_argument("--max-len", type=int, default=None, help=f"tokens per sequence (default: {d.max_len})")
     p.add_argument("--topk", type=int, default=None, help=f"target logits kept per token (default: {d.topk})")
-    p.add_argument("--space", default=d.space,
-                   help=f"search space (YAML or name): which layers to store (default: {d.space})")
+    p.add_argument("--space", default=None,
+                   help="search space (YAML or name): which layers to store (default: tiny for tiny-* targets, "
+                        "else default)")
     p.add_argument("--shard-size", type=int, default=None, help=f"prompts per shard (default: {d.shard_size})")
     p.add_argument("--out", default=d.out, help=f"data directory (default: {d.out})")
     p.add_argument("--image-answer-tokens", type=int, default=d.image_answer_tokens,
@@ -476,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     pick["max_prompt_chars"] = preset.get("max_prompt_chars", d.max_prompt_chars)
     if args.split == "heldout" and args.regen_batch is None:
         pick["regen_batch"] = 1  # the scale's batched regeneration is for training data only
-    config = DataConfig(target=args.target, split=args.split, **pick, space=args.space, out=args.out,
+    space = args.space or default_space_name(args.target)
+    config = DataConfig(target=args.target, split=args.split, **pick, space=space, out=args.out,
                         image_answer_tokens=args.image_answer_tokens,
                         calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer, device=args.device,
                         dtype=args.dtype, cache_dir=str(args.cache_dir) if args.cache_dir else None)

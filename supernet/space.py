@@ -31,6 +31,11 @@ _LISTS = ("fusion", "feature_layers", "depth", "heads", "ffn", "draft_vocab", "v
           "tree_depth", "top_k", "total_tokens")
 
 
+def default_space_name(target: str) -> str:
+    """The space a target gets when none is named: `tiny` for the tiny-* test targets, else `default`."""
+    return "tiny" if Path(str(target)).name.startswith("tiny-") else "default"
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     fusion: tuple[str, ...]

@@ -40,11 +40,12 @@ from decode.draft_init import init_from_target
 from decode.draft_model import TargetDims
 from decode.errors import UserError
 from decode.loader import load_target
+from decode.paths import writable_dir
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace
+from supernet.space import SearchSpace, default_space_name
 from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: 
 
 
 def train(cfg: TrainConfig) -> Path:
+    out = writable_dir(cfg.out)  # before the target loads and minutes of training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
@@ -155,7 +157,6 @@ def train(cfg: TrainConfig) -> Path:
     torch.manual_seed(cfg.seed)
     data = FeatureData(cfg.data, target)
     space = SearchSpace.load(cfg.space)
-    out = Path(cfg.out)
     ck_dir = out / "checkpoint"
     if cfg.resume:
         state = ckpt.read_state(ck_dir)
@@ -280,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
     p.add_argument("--data", required=True, help="feature data directory from supernet.data")
-    p.add_argument("--space", default="default", help="search space: a name in configs/space or a YAML file")
+    p.add_argument("--space", default=None, help="search space: a name in configs/space or a YAML file (default: "
+                   "tiny for tiny-* targets, else default)")
     p.add_argument("--scale", default="demo", help="preset in configs/scale (demo|full); flags below override it")
     p.add_argument("--out", default=None, help="output directory (default: out/supernet-<target>-<scale>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -298,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     base = scale_defaults(args.scale, "train")
     cfg = TrainConfig(target=args.target, data=args.data, out=args.out or f"out/supernet-{Path(args.target).name}-{args.scale}",
-                      space=args.space, scale=args.scale, device=args.device, dtype=args.dtype, resume=args.resume)
+                      space=args.space or default_space_name(args.target), scale=args.scale, device=args.device, dtype=args.dtype, resume=args.resume)
     known = {f.name for f in fields(TrainConfig)}
     cfg = replace(cfg, **{k: v for k, v in base.items() if k in known})
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None

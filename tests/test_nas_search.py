@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -148,7 +149,34 @@ def test_two_workers_share_one_study(assets, tmp_path):
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
-    assert _complete(storage, "w") == [0, 1, 2, 3]  # 4 distinct trials, 2 per worker
+    trials = optuna.load_study(study_name="w", storage=storage).get_trials(deepcopy=False)
+    scored = [t.user_attrs["proposal"] for t in trials
+              if t.state == optuna.trial.TrialState.COMPLETE and not t.user_attrs.get("repeat")]
+    assert len(scored) == 4 and len(set(scored)) == 4  # 2 new archs per worker, none scored by both
+    assert not [t for t in trials if t.state != optuna.trial.TrialState.COMPLETE]
+
+
+def test_two_pipeline_workers_on_one_fresh_cache_build_each_stage_once(tmp_path):
+    """Two no-supernet searches on one empty cache: data, supernet, held-out data and profile are built once
+    (the second worker waits on each stage's lock and reuses the result)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "nas.search", "--target", TARGET, "--scale", "smoke", "--cache-dir", str(cache),
+           "--trials", "2", "--device", "cpu", "--threads", "1", "--no-export"]
+    procs = [subprocess.Popen(cmd + ["--out", str(tmp_path / f"w{i}")], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    run = cache / "runs" / f"{TARGET}-smoke"
+    for part in ("data", "heldout"):
+        assert len(json.loads((run / part / "manifest.json").read_text())["runs"]) == 1, part
+    steps = [line.split(",")[0] for line in (run / "supernet" / "train_log.csv").read_text().splitlines()[1:]]
+    roles = len([s for s in steps if s == "0"])
+    assert len(steps) == len(set(steps)) * roles  # every step logged once per role: trained once
+    assert [p.name for p in (run / "profiles").glob("*.json")] == ["cpu-tiny-llava.json"]
+    for line in ("data stage: building", "supernet stage: training", "held-out stage: building", "; measuring one ->"):
+        assert sum(line in err for _, err in outs) == 1, line  # one worker built it, the other reused it
 
 
 def test_export_cli_trial_and_arch(assets, tmp_path):
@@ -303,3 +331,28 @@ def test_a_killed_worker_trial_is_failed_and_its_arch_rerun(assets, tmp_path, mo
     retried = [t for t in trials if t.system_attrs.get("failed_trial") == killed]
     assert retried and trials[killed].params.items() <= retried[0].params.items()  # killed mid-suggest: a prefix
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
+def test_search_with_a_supernet_writes_its_new_profile_into_its_own_out(assets, tmp_path, monkeypatch):
+    """No profile given or stored: the one measured now goes to <out>/profiles, never ./profiles of the
+    working directory (the checkout's tracked folder), and a second run reuses it."""
+    from hwprofile.schema import Profile
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(assets, tmp_path / "my run", profile=None, trials=1, export=False, scale="smoke")
+    res = run_search(cfg)
+    own = tmp_path / "my run" / "profiles" / "cpu-tiny-llava.json"
+    assert own.is_file() and not (tmp_path / "profiles").exists()
+    assert Profile.load(own).target_name == TARGET
+    mtime = own.stat().st_mtime
+    res = run_search(replace(cfg, study_name="again", export=True))
+    assert own.stat().st_mtime == mtime and res.total_complete >= 1
+    words = shlex.split(res.command)  # the printed next step survives copy-paste of a path with a space
+    assert words[:3] == ["python", "-m", "decode.run"] and words[words.index("--draft") + 1] == str(res.draft)
+
+
+def test_recorded_command_names_the_module_and_quotes_its_arguments():
+    from decode.benchio import command_line
+
+    assert command_line(["/x/nas/search.py", "--out", "a b"]) == "python -m nas.search --out 'a b'"
+    assert command_line(["/x/hwprofile/profile.py", "--quick"]) == "python -m hwprofile.profile --quick"

@@ -102,3 +102,26 @@ def test_cpu_scale_resumes_after_a_kill(data_dir, tmp_path):
     rows_a = list(csv.DictReader(open(tmp_path / "straight" / "train_log.csv")))
     rows_b = list(csv.DictReader(open(out / "train_log.csv")))
     assert [(r["step"], r["role"], r["loss"]) for r in rows_a] == [(r["step"], r["role"], r["loss"]) for r in rows_b]
+
+
+def test_supernet_data_at_smoke_scale_takes_the_scale_and_the_tiny_space(tmp_path):
+    """No --space on a tiny target (the tiny space is picked, as hwprofile and nas.search do) and the scale's
+    prompt-length, answer-length and shard-size settings reach the manifest; every sequence has an answer."""
+    import yaml
+
+    from configs import config_dir
+    from supernet.data import main as data_main
+    from supernet.dataset import read_manifest
+
+    smoke = yaml.safe_load((config_dir("scale") / "smoke.yaml").read_text())["data"]
+    out = tmp_path / "d"
+    assert data_main(["--target", "tiny-llava", "--scale", "smoke", "--prompts", "sharegpt:4", "--out", str(out),
+                      "--device", "cpu", "--threads", "1"]) == 0
+    m = read_manifest(out)
+    for key in ("max_prompt_chars", "max_new_tokens", "shard_size", "max_len", "mode"):
+        assert m["config"][key] == smoke[key], key
+    assert m["config"]["space"] == "tiny"
+    assert m["counts"]["sequences"] == 4
+    from supernet.dataset import FeatureData
+
+    assert all(n > 0 for n in FeatureData(out).scored_positions(True))  # no sequence without an answer position
