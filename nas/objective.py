@@ -24,6 +24,7 @@ enqueued starting archs (EAGLE-like default, largest, smallest) keep their own t
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import time
@@ -274,22 +275,32 @@ class SpeedupObjective:
         return (ev.speedup, float(ev.params)) if self.config.pareto else ev.speedup
 
 
-def scored_elsewhere(trial: optuna.Trial, proposal: str, wait_s: float = 120.0,
-                     poll_s: float = 0.25) -> optuna.trial.FrozenTrial | None:
+def scored_elsewhere(trial: optuna.Trial, proposal: str, wait_s: float = 120.0, suggest_s: float = 30.0,
+                     poll_s: float = 0.2) -> optuna.trial.FrozenTrial | None:
     """A finished trial of another worker with the same proposal, or None (then this trial scores it).
 
-    An earlier-numbered trial still RUNNING with that proposal is waited for (up to `wait_s`: a dead worker's
-    trial never finishes), so two workers never replay the same arch; a later-numbered one waits for this one.
+    Earlier-numbered trials decide first: this one waits while an earlier trial is still suggesting (it has
+    no proposal yet; one started over `suggest_s` ago without one is a dead worker's) or is scoring the same
+    proposal (up to `wait_s`: a dead worker's trial never finishes). So two workers never replay one arch.
     """
     state = optuna.trial.TrialState
     deadline = time.monotonic() + wait_s
     while True:
-        same = [t for t in trial.study.get_trials(deepcopy=False, states=(state.COMPLETE, state.RUNNING))
-                if t.number != trial.number and t.user_attrs.get("proposal") == proposal]
+        now = datetime.datetime.now()
+        same, undecided = [], False
+        for t in trial.study.get_trials(deepcopy=False, states=(state.COMPLETE, state.RUNNING)):
+            if t.number == trial.number:
+                continue
+            if t.user_attrs.get("proposal") == proposal:
+                same.append(t)
+            elif (t.state == state.RUNNING and t.number < trial.number and "proposal" not in t.user_attrs
+                  and t.datetime_start is not None and (now - t.datetime_start).total_seconds() < suggest_s):
+                undecided = True
         done = [t for t in same if t.state == state.COMPLETE and t.values]
         if done:
             return min(done, key=lambda t: t.number)
-        if not any(t.number < trial.number for t in same) or time.monotonic() > deadline:
+        earlier = any(t.number < trial.number for t in same)
+        if not (earlier or undecided) or time.monotonic() > deadline:
             return None
         time.sleep(poll_s)
 

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions so that --help and 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smolvlm-135m"
+EXHAUSTIVE_ARCHS = 16  # a space with at most this many archs (or at most --trials) is enumerated, not sampled
 EXAMPLE_PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -316,7 +317,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     from nas.choose import to_json
     from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, SweepTau, TauCache
     from nas.report import finished, write_report
-    from nas.study import enqueue_starting_archs, open_storage, open_study, sqlite_url
+    from nas.study import enqueue_small_space, enqueue_starting_archs, open_storage, open_study, sqlite_url
 
     cfg.check()
     storage = open_storage(cfg.storage) if cfg.storage is not None else None  # a bad URL fails first
@@ -347,9 +348,14 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     sampler = cfg.sampler or ("nsga2" if cfg.pareto else "tpe")
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial otherwise; tqdm shows progress
     study, is_new = open_study(storage, study_name, obj_cfg.directions, setup, sampler, cfg.seed, obj_cfg.constrained)
+    n_trials = cfg.trials or int(inp.defaults["trials"])
     if is_new:
         labels = enqueue_starting_archs(study, inp.space, inp.supernet.entropy_layer)
         logger.info("new study '%s': first trials %s", study_name, ", ".join(labels))
+        small = enqueue_small_space(study, inp.space, inp.supernet.entropy_layer, cfg.tree != "best",
+                                    max(n_trials, EXHAUSTIVE_ARCHS), cfg.seed)
+        if small:
+            logger.info("the space holds %d archs: each is queued once (exhaustive search)", small)
     else:
         logger.info("continuing study '%s' (%d trials so far)", study_name, len(study.trials))
 
@@ -362,7 +368,6 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     tau = TauCache(source)
     seeded = tau.seed_from(study)  # finished trials of this study (earlier runs, other workers) cost nothing
     objective = SpeedupObjective(inp.space, inp.supernet.entropy_layer, TargetDims.of(target), latency, tau, obj_cfg)
-    n_trials = cfg.trials or int(inp.defaults["trials"])
     logger.info("searching %d trials on %s (%s profile %s), context %d, %d held-out sequences%s", n_trials,
                 choice.hardware, choice.how, choice.path, objective.context, len(held.sequences),
                 f", {seeded} cached taus" if seeded else "")

@@ -24,7 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from decode.errors import UserError
 from nas.objective import constraints_func
-from nas.suggest import arch_to_params, starting_archs
+from nas.suggest import arch_to_params, every_arch, starting_archs
 from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
@@ -120,3 +120,18 @@ def enqueue_starting_archs(study: optuna.Study, space: SearchSpace, entropy_laye
                             skip_if_exists=True)
         labels.append(label)
     return labels
+
+
+def enqueue_small_space(study: optuna.Study, space: SearchSpace, entropy_layer: int | None, tree: bool,
+                        limit: int, seed: int) -> int:
+    """A space of at most `limit` archs is searched exhaustively: every arch queued once, in a seeded random
+    order (sampling without replacement: no trial spent on a re-proposal); -> archs queued (0: too many)."""
+    import random
+
+    every = every_arch(space, entropy_layer, tree, limit)
+    if every is None:
+        return 0
+    random.Random(seed).shuffle(every)
+    for params in every:
+        study.enqueue_trial(params, skip_if_exists=True)  # the starting archs are queued already
+    return len(every)

@@ -17,6 +17,8 @@ One categorical parameter per DraftArch field, per-layer ones only for the layer
 
 from __future__ import annotations
 
+import itertools
+
 import optuna
 
 from decode.arch import DraftArch, max_tree_nodes
@@ -79,6 +81,28 @@ def arch_to_params(arch: DraftArch, space: SearchSpace, entropy_layer: int | Non
     p.update(draft_vocab=arch.draft_vocab, visual_keep=arch.visual_keep, tree_depth=arch.tree_depth,
              top_k=arch.top_k, total_tokens=totals[0])
     return p
+
+
+def every_arch(space: SearchSpace, entropy_layer: int | None, tree: bool, limit: int) -> list[dict] | None:
+    """The parameter dicts of every distinct arch suggest_arch can return (tree=False: the tree as it sets
+    it), in a fixed order; None as soon as there are more than `limit` (too many to enumerate)."""
+    trees = (list(itertools.product(space.tree_depth, space.total_tokens)) if tree
+             else [(max(space.tree_depth), max(space.total_tokens))])
+    found: dict[str, dict] = {}
+    for fusion, fset, depth in itertools.product(space.fusion, range(len(space.feature_layers)), space.depth):
+        if not _resolvable(space.feature_layers[fset], entropy_layer):
+            continue
+        for layers in itertools.product(itertools.product(space.heads, space.ffn), repeat=depth):
+            for vocab, keep, k, (td, total) in itertools.product(space.draft_vocab, space.visual_keep, space.top_k,
+                                                                  trees):
+                p = {"fusion": fusion, "feature_set": fset, "depth": depth, "draft_vocab": vocab,
+                     "visual_keep": keep, "tree_depth": td, "top_k": k, "total_tokens": total}
+                for i, (h, f) in enumerate(layers):
+                    p[f"heads_{i}"], p[f"ffn_{i}"] = h, f
+                found.setdefault(params_to_arch(p, space, entropy_layer).to_json(), p)
+                if len(found) > limit:
+                    return None
+    return list(found.values())
 
 
 def _resolvable(layer_set: tuple, entropy_layer: int | None) -> bool:

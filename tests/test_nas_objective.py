@@ -14,7 +14,7 @@ import random
 import optuna
 import pytest
 
-from decode.arch import DraftArch
+from decode.arch import DraftArch, max_tree_nodes
 from decode.draft_model import TargetDims
 from hwprofile.latency import LatencyModel, tree_tokens
 from hwprofile.schema import Profile
@@ -229,3 +229,52 @@ def test_best_table_lists_each_arch_once():
         for n, sp, arch in [(0, 0.9, a), (1, 0.9, a), (2, 0.8, b), (3, 0.9, a)]])
     table = best_table(df)
     assert table["number"].tolist() == [0, 2] and table["tree"].tolist() == ["1x2/2", "3x3/8"]
+
+
+def test_every_arch_enumerates_what_the_sampler_can_propose():
+    from dataclasses import replace
+
+    from nas.suggest import every_arch, suggest_arch
+
+    small = replace(SPACE, fusion=("concat", "cross"), depth=(1, 2), heads=(2,), ffn=(32, 64), draft_vocab=(None,),
+                    visual_keep=(1.0,), feature_layers=((-1,),), top_k=(2,))
+    # per depth d: 2 fusions x 2^d FFN choices (heads fixed) -> 2 x (2 + 4) = 12 archs without the tree
+    every = every_arch(small, ENTROPY, tree=False, limit=100)
+    assert len(every) == 12
+    archs = {suggest_arch(optuna.trial.FixedTrial(p), small, ENTROPY, tree=False).to_json() for p in every}
+    assert len(archs) == 12  # each dict is a distinct proposal
+    assert every_arch(small, ENTROPY, tree=False, limit=11) is None
+    # with the tree: totals clamp to what (depth, top_k) holds, so equal trees are not counted twice
+    trees = {(td, min(t, max_tree_nodes(td, 2))) for td in small.tree_depth for t in small.total_tokens}
+    assert len(every_arch(small, ENTROPY, tree=True, limit=10_000)) == 12 * len(trees)
+
+
+def test_a_small_space_is_searched_without_repeats():
+    from dataclasses import replace
+
+    from nas.study import enqueue_small_space
+
+    small = replace(SPACE, fusion=("concat", "cross", "hybrid"), depth=(1,), heads=(2,), ffn=(32, 64),
+                    draft_vocab=(None,), visual_keep=(1.0,), feature_layers=((-1,),), top_k=(2,))
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))
+    assert enqueue_small_space(study, small, ENTROPY, False, 16, seed=0) == 6
+    obj = SpeedupObjective(small, ENTROPY, DIMS, CPU, synthetic_tau)
+    study.optimize(obj, n_trials=6)
+    assert len({t.user_attrs["proposal"] for t in study.trials}) == 6  # all six, none twice
+
+
+def test_an_arch_another_worker_scored_is_taken_from_the_study_not_scored_again():
+    calls = []
+    obj = SpeedupObjective(SPACE, ENTROPY, DIMS, CPU, lambda a: calls.append(a) or 2.0, ObjectiveConfig(tree="sampled"))
+    arch = eagle_like(SPACE, ENTROPY)
+    params = arch_to_params(arch, SPACE, ENTROPY)
+    study = optuna.create_study(direction="maximize")
+    # what another worker left in the shared study: its trial of this arch, finished
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions={k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()},
+        value=1.234, user_attrs={"proposal": arch.to_json(), "tau": 2.5, "speedup": 1.234}))
+    study.enqueue_trial(params)
+    study.optimize(obj, n_trials=1)
+    mine = study.trials[-1]
+    assert mine.value == 1.234 and mine.user_attrs["repeat"] is True and mine.user_attrs["tau"] == 2.5
+    assert calls == []  # no replay

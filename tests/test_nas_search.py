@@ -356,3 +356,45 @@ def test_recorded_command_names_the_module_and_quotes_its_arguments():
 
     assert command_line(["/x/nas/search.py", "--out", "a b"]) == "python -m nas.search --out 'a b'"
     assert command_line(["/x/hwprofile/profile.py", "--quick"]) == "python -m hwprofile.profile --quick"
+
+
+def _postgres_url() -> str:
+    """The CI server (.ci/run starts one and sets VLM_DRAFT_NAS_PG_URL); under CI=true it must be there."""
+    url = os.environ.get("VLM_DRAFT_NAS_PG_URL")
+    if url:
+        return url
+    if os.environ.get("CI") == "true":
+        pytest.fail("CI=true but VLM_DRAFT_NAS_PG_URL is not set: .ci/run starts PostgreSQL (.ci/postgres.sh)")
+    pytest.skip("no PostgreSQL server: set VLM_DRAFT_NAS_PG_URL=postgresql+psycopg2://USER@HOST:PORT/DB "
+                "(.ci/run starts one)")
+
+
+def test_three_workers_on_postgresql_score_every_arch_once_and_agree_with_one_worker(assets, tmp_path):
+    import uuid
+
+    url = _postgres_url()
+    space = tmp_path / "six.yaml"  # 6 archs (3 fusions x 2 FFN widths), a subspace of the supernet's: enumerated
+    space.write_text("fusion: [concat, cross, hybrid]\nfeature_layers: [[-1]]\ndepth: [1]\nheads: [2]\n"
+                     "ffn: [32, 64]\ndraft_vocab: [null]\nvisual_keep: [1.0]\ntree_depth: [2]\ntop_k: [2]\n"
+                     "total_tokens: [4]\n")
+    name = f"pg-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "nas.search", "--target", TARGET, "--supernet", assets["supernet"], "--profile",
+           assets["profile"], "--space", str(space), "--heldout", "2", "--trials", "2", "--storage", url,
+           "--study-name", name, "--seed", "0", "--device", "cpu", "--threads", "1", "--no-export"]
+    procs = [subprocess.Popen(cmd + ["--out", str(tmp_path / f"w{i}")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    study = optuna.load_study(study_name=name, storage=url)
+    scored = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and not t.user_attrs.get("repeat")]
+    proposals = [t.user_attrs["proposal"] for t in scored]
+    assert len(proposals) == 6 and len(set(proposals)) == 6  # every arch of the space, each scored once
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+
+    one = run_search(_cfg(assets, tmp_path / "one", space=str(space), trials=6, storage=url,
+                          study_name=f"{name}-one", seed=0, export=False))
+    single = optuna.load_study(study_name=f"{name}-one", storage=url)
+    assert single.best_trial.user_attrs["arch"] == study.best_trial.user_attrs["arch"]
+    assert single.best_value == study.best_value and one.best["arch"] == study.best_trial.user_attrs["arch"]
