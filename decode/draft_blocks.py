@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decode.small_rows import linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -55,7 +57,7 @@ class SelfAttention(nn.Module):
         return getattr(self, name).weight
 
     def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w(name))
+        return linear(x, self.w(name))
 
     def split(self, x: torch.Tensor) -> torch.Tensor:  # (n, h*d) -> (h, n, d)
         return x.view(x.shape[0], -1, self.head_dim).transpose(0, 1)
@@ -104,8 +106,8 @@ class SwiGLU(nn.Module):
         return getattr(self, name).weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(F.linear(x, self.w("gate_proj"))) * F.linear(x, self.w("up_proj"))
-        return F.linear(h, self.w("down_proj"))
+        h = F.silu(linear(x, self.w("gate_proj"))) * linear(x, self.w("up_proj"))
+        return linear(h, self.w("down_proj"))
 
 
 class DraftLayer(nn.Module):

@@ -29,6 +29,7 @@ from torch import nn
 from decode.arch import DraftArch
 from decode.draft_blocks import DraftKV, DraftLayer, RMSNorm
 from decode.errors import UserError
+from decode.small_rows import linear
 
 if TYPE_CHECKING:
     from decode.target import TargetModel
@@ -124,7 +125,7 @@ class DraftModel(nn.Module):
             return self._shared[1](z).float()
         weight, d2t = rows
         out = torch.full((z.shape[0], self.dims.vocab_size), -float("inf"), device=z.device)
-        out[:, d2t] = F.linear(z, weight).float()
+        out[:, d2t] = linear(z, weight).float()
         return out
 
     def logits_at(self, hidden: torch.Tensor, token_ids: torch.Tensor, shared_ids: torch.Tensor | None = None
@@ -164,7 +165,7 @@ class DraftModel(nn.Module):
 
     def project_features(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, F*H) concatenated target features -> (n, H)."""
-        return self.feat_fc(feats.to(self.feat_fc.weight.dtype))
+        return linear(feats.to(self.feat_fc.weight.dtype), self.feat_fc.weight, self.feat_fc.bias)
 
     def add_memory(self, cache: DraftKV, mem: torch.Tensor, positions: torch.Tensor) -> None:
         """Append projected target features (m, H) at target positions (m,) to the cross memory."""
@@ -204,7 +205,7 @@ class DraftModel(nn.Module):
         """
         x = self.embed(tokens)
         if self.uses_concat:
-            x = F.linear(torch.cat([x, g.to(x.dtype)], dim=-1), self.in_fc.weight)
+            x = linear(torch.cat([x, g.to(x.dtype)], dim=-1), self.in_fc.weight)
         mem_allowed = None
         if self.uses_cross:
             mem_pos = cache.mem_pos if cache.mem_pos is not None else positions.new_zeros(0)

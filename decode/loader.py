@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from decode.errors import UserError
 from decode.families import family_spec
 from decode.presets import is_preset, load_preset, resolve_dir
+from decode.small_rows import use_small_rows
 from decode.target import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def load_target(
             model, processor = build_tiny(preset.family or "", seed=preset.seed)
             model.set_attn_implementation(attn_implementation)
             model = model.to(device=dev, dtype=dt)
+            use_small_rows(model)
             cfg = model.config
             spec = family_spec(cfg.model_type, hasattr(cfg, "vision_config"))
             return TargetModel(model, processor, spec, preset.name)
@@ -86,4 +88,6 @@ def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype, a
         processor = (AutoProcessor if spec.is_vlm else AutoTokenizer).from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load the model in '{path}': {str(err).splitlines()[0]}") from None
-    return TargetModel(model.to(device), processor, spec, name)
+    model = model.to(device)
+    use_small_rows(model)  # faster few-row linears on a CPU (decode.small_rows); vanilla and speculative alike
+    return TargetModel(model, processor, spec, name)

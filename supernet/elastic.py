@@ -22,7 +22,6 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from decode.arch import DraftArch
@@ -30,6 +29,7 @@ from decode.capture import normalize_layer
 from decode.draft_blocks import CrossAttention, DraftLayer, SelfAttention, SwiGLU
 from decode.draft_model import DraftModel, TargetDims
 from decode.errors import UserError
+from decode.small_rows import linear
 from supernet.space import SearchSpace
 
 
@@ -154,7 +154,7 @@ class DraftSupernet(DraftModel):
     def project_features(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, F*H) features in the active arch's layer order -> (n, H) through its column blocks."""
         w = self.feat_fc.weight[:, self._cols.to(self.feat_fc.weight.device)]
-        return F.linear(feats.to(w.dtype), w, self.feat_fc.bias)
+        return linear(feats.to(w.dtype), w, self.feat_fc.bias)
 
     def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         vd = self.active.draft_vocab

@@ -1,0 +1,67 @@
+"""decode.small_rows: the few-row CPU linear path computes F.linear's values, and decoding stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_prompt, tiny_target
+from decode import small_rows
+from decode.drafts import make_draft
+from decode.small_rows import linear
+from decode.speculative import speculative_generate
+from decode.vanilla import vanilla_generate
+
+
+@pytest.mark.parametrize("out_features", [48, 576, small_rows.WIDE + 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17])
+def test_linear_matches_f_linear(rows, out_features):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(out_features, 64, generator=g)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, 64, generator=g)
+    for bias in (None, b):
+        ref = torch.nn.functional.linear(x, w, bias)
+        got = linear(x, w, bias)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    x3 = x.reshape(1, rows, 64)  # batched (1, n, in) input as HF layers give it
+    torch.testing.assert_close(linear(x3, w), torch.nn.functional.linear(x3, w), rtol=1e-5, atol=1e-5)
+
+
+def test_which_calls_take_the_new_path(monkeypatch):
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.randn(small_rows.WIDE, 32)
+    linear(torch.randn(3, 32), w)
+    assert calls == []  # few rows of an LM head: W @ x^T
+    linear(torch.randn(1, 32), w)  # one row: GEMV stays
+    linear(torch.randn(3, 32, requires_grad=True), w)  # training: autograd through F.linear
+    linear(torch.randn(3, 32, dtype=torch.float64), w.double())  # not float32
+    linear(torch.randn(small_rows.SMALL_ROWS + 1, 32), w)  # prefill-sized
+    monkeypatch.setattr(small_rows, "ENABLED", False)
+    linear(torch.randn(3, 32), w)
+    assert len(calls) == 5
+
+
+def test_gradients_flow_as_with_f_linear():
+    w = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    linear(x, w).sum().backward()
+    ref = w.grad.clone()
+    w.grad = None
+    torch.nn.functional.linear(x, w).sum().backward()
+    assert torch.equal(w.grad, ref)
+
+
+def test_targets_use_it_and_decoding_stays_lossless(monkeypatch):
+    target = tiny_target("tiny-llava")
+    assert any(m.forward.__func__ is small_rows._forward for m in target.model.modules()
+               if isinstance(m, torch.nn.Linear) and hasattr(m.forward, "__func__"))
+    prompt = tiny_prompt(target)
+    draft = make_draft("random:hybrid", target)
+    fast = speculative_generate(target, draft, prompt, 24).tokens
+    assert fast == vanilla_generate(target, prompt, 24).tokens
+    monkeypatch.setattr(small_rows, "ENABLED", False)
+    assert vanilla_generate(target, prompt, 24).tokens == fast  # the same greedy text with torch's kernels
