@@ -1,17 +1,16 @@
-"""Faster CPU linear layers for the few-row inputs of decoding (one token, a small draft tree).
+"""Faster CPU linear layers for the few-row inputs of decoding (a small draft tree, its verification).
 
-torch's `F.linear(x, W)` computes x @ W^T through MKL's sgemm with a transposed weight. For 2-16 input
-rows that call re-packs the whole weight on every call: on 2 cores the target's LM head (49152 x 576)
-took 12 ms for one row but 40 ms for two and 55 ms for three, so verifying a 2-3 token tree cost more
-than verifying 8 (measured by hwprofile: verify(2) = 70 ms, verify(3) = 88 ms, verify(8) = 61 ms). The
-same product written W @ x^T reads W in place (a GEMM with a tiny N), which is what `small_rows_forward`
-does for inputs of at most SMALL_ROWS rows; larger inputs (prefill, training) keep F.linear.
+torch's `F.linear(x, W)` computes x @ W^T through MKL's GEMM with a transposed weight, which re-packs the
+whole weight on every call when x has a few rows: on 2 cores the target's LM head (49152 x 576) took
+9.4 ms for one row but 22.5 ms for two and 33.6 ms for three, while W @ x^T (the same product, W read in
+place) took 3.1 and 4.0 ms; verifying a 2-3 token tree cost 1.6-2x a decoding step. `linear` takes the
+W @ x^T path for 2-4 rows of every projection and up to SMALL_ROWS rows of LM heads (WIDE outputs and
+more), on CPU float32 inference calls; one row (MKL's GEMV), prefill and training keep F.linear.
 
-`linear` is that choice as a function (the draft blocks call it); `use_small_rows(model)` switches every
-nn.Linear of a module (the target) to it. It is
-a runtime choice like the attention kernel: vanilla and speculative decoding both use it, so speed-ups
-stay like-for-like, and greedy outputs stay identical between them (tested); values differ from
-F.linear's by float rounding only (tested to 1e-5 relative).
+The draft blocks call `linear`; `use_small_rows(model)` switches every nn.Linear of a target to it
+(decode.loader does so for every target). Vanilla and speculative decoding run the same layers, so
+speed-ups stay like-for-like; outputs stay token-identical (tested), values within 1e-5 of F.linear.
+VLM_DRAFT_NAS_PLAIN_LINEAR=1 keeps F.linear everywhere (A/B runs).
 """
 
 from __future__ import annotations
