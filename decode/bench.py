@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode.benchio import VANILLA, Method, check_tree_args, default_out_path, environment, identical, make_policy, \
-    measure, merge_hists, warm_up, write_json
+from decode.benchio import RESULTS_DIR, VANILLA, Method, check_tree_args, default_out_path, environment, identical, \
+    make_policy, measure, merge_hists, warm_up, write_json
 from decode.datasets import PromptItem, parse_prompt_spec
 from decode.errors import UserError
 from decode.paths import writable_dir, writable_file
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.out:  # checked before the target loads and the prompts run
         writable_file(config.out)
     else:
-        writable_dir("benchmarks/results")
+        writable_dir(RESULTS_DIR)
 
     def save(partial: dict) -> Path:  # the same file after every prompt, then the final result
         if not paths:

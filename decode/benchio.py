@@ -255,7 +255,10 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "x"
 
 
-def default_out_path(target: str, env: dict, root: Path = Path("benchmarks/results")) -> Path:
+RESULTS_DIR = Path("benchmarks/results")  # where benchmark JSON goes by default
+
+
+def default_out_path(target: str, env: dict, root: Path = RESULTS_DIR) -> Path:
     """benchmarks/results/bench-<target>-<device>-<date>.json (device: GPU name or cpu)."""
     dev = "cpu" if env["device_type"] == "cpu" else slug(env["device"]).removeprefix("nvidia-")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

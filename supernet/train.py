@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     base = scale_defaults(args.scale, "train")
     cfg = TrainConfig(target=args.target, data=args.data, out=args.out or f"out/supernet-{Path(args.target).name}-{args.scale}",
-                      space=args.space or default_space_name(args.target), scale=args.scale, device=args.device, dtype=args.dtype, resume=args.resume)
+                      space=args.space or default_space_name(args.target), scale=args.scale, device=args.device,
+                      dtype=args.dtype, resume=args.resume)
     known = {f.name for f in fields(TrainConfig)}
     cfg = replace(cfg, **{k: v for k, v in base.items() if k in known})
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None
