@@ -197,7 +197,17 @@ def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3)
             if new >= n_trials:
                 study_.stop()
 
-        study.optimize(objective, n_trials=max_factor * n_trials, callbacks=[tick])
+        for _ in range(max_factor * n_trials):
+            try:
+                study.optimize(objective, n_trials=max_factor * n_trials - ran, callbacks=[tick])
+                break
+            except ValueError as err:  # two workers popped one queued trial (Optuna's SQLite queue is not atomic)
+                if "Cannot tell a" not in str(err):
+                    raise
+                ran += 1  # the other worker recorded the same arch's result; this worker goes on
+                logger.warning("a queued trial was also run by another worker, which finished it first; continuing")
+            if new >= n_trials or ran >= max_factor * n_trials:
+                break
     if new < n_trials:
         logger.warning("the sampler kept re-proposing scored archs: %d new of %d asked in %d trials", new, n_trials,
                        ran)

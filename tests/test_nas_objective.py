@@ -278,3 +278,23 @@ def test_an_arch_another_worker_scored_is_taken_from_the_study_not_scored_again(
     mine = study.trials[-1]
     assert mine.value == 1.234 and mine.user_attrs["repeat"] is True and mine.user_attrs["tau"] == 2.5
     assert calls == []  # no replay
+
+
+def test_run_trials_goes_on_when_another_worker_finished_its_queued_trial(monkeypatch):
+    from nas.search import run_trials
+
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    real, raised = study.optimize, []
+
+    def optimize(*a, **k):
+        if not raised:  # what Optuna raises when both workers popped one WAITING trial and the other told first
+            raised.append(1)
+            raise ValueError("Cannot tell a COMPLETE trial.")
+        return real(*a, **k)
+
+    monkeypatch.setattr(study, "optimize", optimize)
+    run_trials(study, SpeedupObjective(SPACE, ENTROPY, DIMS, CPU, synthetic_tau), 3, "t")
+    assert raised and len([t for t in study.trials if not t.user_attrs.get("repeat")]) == 3
+    monkeypatch.setattr(study, "optimize", lambda *a, **k: (_ for _ in ()).throw(ValueError("other")))
+    with pytest.raises(ValueError, match="other"):
+        run_trials(study, SpeedupObjective(SPACE, ENTROPY, DIMS, CPU, synthetic_tau), 3, "t")
