@@ -15,10 +15,10 @@ import torch
 from decode.arch import DraftArch
 from decode.draft_model import DraftModel, TargetDims
 from decode.loader import load_target
+from decode.space import SearchSpace
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace
 
 MIDDLE = dict(fusion="concat", depth=2, heads=(6, 6), ffn=(768, 768), draft_vocab=16384, visual_keep=0.5,
               tree_depth=4, top_k=2, total_tokens=8)

@@ -25,6 +25,7 @@ import torch
 from decode.arch import DraftArch
 from decode.draft_blocks import DraftKV, DraftLayer
 from decode.draft_model import DraftModel, TargetDims
+from decode.space import SearchSpace
 from decode.target import TargetModel
 from hwprofile import census
 from hwprofile.config import Grids
@@ -32,7 +33,6 @@ from hwprofile.cycle import filler_tokens
 from hwprofile.schema import TABLE_AXES
 from hwprofile.tables import Table
 from hwprofile.timing import Case, Timer, run_cases
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 DRAFT_TABLES = ("draft_layer", "feat_fc", "draft_input", "lm_head", "scorer", "memory_append")

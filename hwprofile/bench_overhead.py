@@ -28,13 +28,13 @@ import torch
 from decode.arch import DraftArch, max_tree_nodes
 from decode.draft_model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
+from decode.space import SearchSpace
 from decode.target import TargetModel
 from decode.tree import TreePolicy
 from hwprofile.config import Grids
 from hwprofile.cycle import GREEDY, synthetic_prompt
 from hwprofile.tables import Table
 from hwprofile.timing import Stat, Timer
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 

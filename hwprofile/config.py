@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from decode.arch import max_tree_nodes
+from decode.space import SearchSpace, default_space_name
 from hwprofile.timing import TimingConfig
-from supernet.space import SearchSpace, default_space_name
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import torch
 
 from decode.benchio import command_line
 from decode.loader import load_target, pick_device, pick_dtype
+from decode.space import SearchSpace
 from decode.target import TargetModel
 from hwprofile.bench_draft import measure_draft
 from hwprofile.bench_overhead import measure_overhead
@@ -21,7 +22,6 @@ from hwprofile.device import DeviceInfo, local_device
 from hwprofile.schema import Profile
 from hwprofile.tables import Table
 from hwprofile.timing import Timer
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from decode.draft_model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
 from decode.errors import UserError
 from decode.prompt import Prompt
+from decode.space import SearchSpace
 from decode.target import TargetModel
 from decode.tree import TreePolicy
 from hwprofile.cycle import GREEDY, verify_tree
@@ -32,7 +33,6 @@ from hwprofile.device import DeviceInfo, local_device
 from hwprofile.latency import LatencyModel, tree_tokens
 from hwprofile.schema import Profile
 from hwprofile.timing import Timer
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 

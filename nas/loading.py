@@ -17,11 +17,11 @@ import torch
 
 from decode.draft_model import TargetDims
 from decode.errors import UserError
+from decode.space import SearchSpace
 from decode.target import TargetModel
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 

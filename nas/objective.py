@@ -38,13 +38,13 @@ from safetensors import SafetensorError
 from decode.arch import DraftArch, max_tree_nodes
 from decode.draft_model import TargetDims
 from decode.drafts.neural import NeuralDraft
+from decode.space import SearchSpace
 from decode.tree import TreePolicy
 from hwprofile.latency import LatencyModel, tree_tokens
 from nas.acceptance import estimate_tau
 from nas.cost import draft_params, extra_memory
 from nas.suggest import suggest_arch
 from nas.treesweep import TreeSweep
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 

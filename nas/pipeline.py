@@ -50,7 +50,7 @@ class PipelineConfig:
 
     @property
     def space_name(self) -> str:
-        from supernet.space import default_space_name
+        from decode.space import default_space_name
 
         return self.space if self.space is not None else default_space_name(self.target)
 
@@ -121,7 +121,6 @@ def data_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
 def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
     """Held-out features for tau (held-out split, regenerated answers); skipped when complete."""
     from supernet.data import build_data
-
     from supernet.dataset import FeatureData
 
     out = cfg.run_dir / "heldout"

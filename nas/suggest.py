@@ -22,7 +22,7 @@ import itertools
 import optuna
 
 from decode.arch import DraftArch, max_tree_nodes
-from supernet.space import SearchSpace
+from decode.space import SearchSpace
 
 
 def _median(values) -> object:

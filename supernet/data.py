@@ -37,12 +37,22 @@ import torch
 from decode.datasets import HELDOUT_PHOTOS, PromptItem, parse_prompt_spec
 from decode.errors import UserError
 from decode.prompt import Prompt
+from decode.space import SearchSpace, default_space_name
 from decode.target import TargetModel
 from decode.vanilla import vanilla_generate
-from supernet.dataset import FORMAT, MANIFEST, bytes_per_token, check_target, read_manifest, read_shard_meta, \
-    shard_name, summarize_shards, write_json_atomic, write_shard
+from supernet.dataset import (
+    FORMAT,
+    MANIFEST,
+    bytes_per_token,
+    check_target,
+    read_manifest,
+    read_shard_meta,
+    shard_name,
+    summarize_shards,
+    write_json_atomic,
+    write_shard,
+)
 from supernet.entropy import EntropyChoice, calibrate
-from supernet.space import SearchSpace, default_space_name
 
 logger = logging.getLogger("supernet.data")  # not __main__ under python -m
 
@@ -58,7 +68,7 @@ class DataConfig:
     mode: str = "teacher"
     max_len: int = 256  # tokens per sequence (prompt + answer)
     topk: int = 32  # target next-token logits kept per position
-    space: str = "default"  # search space (YAML file or name under configs/space): which layers to store
+    space: str | None = None  # search space (YAML or name): which layers to store; None: the target's default
     shard_size: int = 16  # prompts per shard
     out: str = "out/data"
     image_answer_tokens: int = 64  # teacher mode: greedy answer length for prompts without one (images)
@@ -72,6 +82,10 @@ class DataConfig:
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: str | None = None
+
+    def __post_init__(self) -> None:  # the space is part of the data's identity: resolve the default now
+        if self.space is None:
+            object.__setattr__(self, "space", default_space_name(self.target))
 
     def check(self) -> None:
         if self.split not in ("train", "heldout"):
@@ -342,7 +356,6 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
 
     from decode.benchio import environment
     from decode.loader import load_target
-
     from decode.paths import writable_dir
 
     config.check()

@@ -30,7 +30,7 @@ from decode.draft_blocks import CrossAttention, DraftLayer, SelfAttention, SwiGL
 from decode.draft_model import DraftModel, TargetDims
 from decode.errors import UserError
 from decode.small_rows import linear
-from supernet.space import SearchSpace
+from decode.space import SearchSpace
 
 
 class _HeadSlice:

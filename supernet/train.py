@@ -41,11 +41,11 @@ from decode.draft_model import TargetDims
 from decode.errors import UserError
 from decode.loader import load_target
 from decode.paths import writable_dir
+from decode.space import SearchSpace, default_space_name
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace, default_space_name
 from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class TrainConfig:
     target: str
     data: str
     out: str
-    space: str = "default"
+    space: str | None = None  # search space (YAML or name); None: the target's default (tiny for tiny-* targets)
     scale: str = "demo"
     steps: int = 160
     seqs_per_step: int = 1
@@ -83,6 +83,10 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     resume: bool = False
+
+    def __post_init__(self) -> None:  # the space is part of the checkpoint's identity: resolve the default now
+        if self.space is None:
+            object.__setattr__(self, "space", default_space_name(self.target))
 
     def lr_at(self, step: int, elapsed_s: float = 0.0) -> float:
         """Linear warm-up to lr, then cosine decay to 10% of it; with a time budget the decay follows

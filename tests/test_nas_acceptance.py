@@ -6,11 +6,12 @@ import random
 from dataclasses import replace
 
 import pytest
-
 from conftest import single_thread, tiny_target
+
 from decode.datasets import PromptItem
 from decode.draft_model import TargetDims
 from decode.drafts import NeuralDraft
+from decode.space import SearchSpace
 from decode.speculative import speculative_generate
 from decode.tree import TreePolicy
 from nas.acceptance import estimate_tau
@@ -18,7 +19,6 @@ from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data, features_on_the_fly
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace
 from supernet.train import TrainConfig, train
 
 TARGET = "tiny-llava"

@@ -16,13 +16,13 @@ import pytest
 
 from decode.arch import DraftArch, max_tree_nodes
 from decode.draft_model import TargetDims
+from decode.space import SearchSpace
 from hwprofile.latency import LatencyModel, tree_tokens
 from hwprofile.schema import Profile
 from hwprofile.tables import Table
 from nas.cost import draft_params, extra_memory
 from nas.objective import ObjectiveConfig, SpeedupObjective, TauCache, constraints_func
 from nas.suggest import arch_to_params, eagle_like, params_to_arch, starting_archs
-from supernet.space import SearchSpace
 
 DIMS = TargetDims(hidden_size=64, head_dim=16, vocab_size=276, num_layers=2)
 SPACE = SearchSpace.load("tiny")

@@ -15,9 +15,9 @@ from dataclasses import fields
 
 import pytest
 import torch
+from conftest import single_thread, tiny_target
 from safetensors.torch import load_file
 
-from conftest import single_thread, tiny_target
 from configs import config_dir
 from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data
@@ -125,3 +125,12 @@ def test_supernet_data_at_smoke_scale_takes_the_scale_and_the_tiny_space(tmp_pat
     from supernet.dataset import FeatureData
 
     assert all(n > 0 for n in FeatureData(out).scored_positions(True))  # no sequence without an answer position
+
+
+def test_library_configs_default_to_the_targets_own_space():
+    """DataConfig / TrainConfig built in code (not through the CLIs) get the space the CLIs would pick,
+    and it is a concrete name by the time it is written into a manifest or a checkpoint."""
+    assert DataConfig(target="tiny-llava").space == "tiny"
+    assert DataConfig(target="smolvlm-135m").space == "default"
+    assert TrainConfig(target="tiny-llava", data="d", out="o").space == "tiny"
+    assert TrainConfig(target="smolvlm-135m", data="d", out="o", space="eagle").space == "eagle"

@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 import yaml
-
 from conftest import tiny_prompt, tiny_target
+
 from decode.draft_model import TargetDims
 from decode.drafts import NeuralDraft
 from decode.errors import UserError
+from decode.space import SearchSpace
 from decode.speculative import speculative_generate
 from decode.vanilla import vanilla_generate
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace
 
 ENTROPY = 1
 

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 import torch
+from conftest import single_thread, tiny_target
 from safetensors.torch import load_file
 
-from conftest import single_thread, tiny_target
 from decode.draft_model import TargetDims
 from decode.errors import UserError
+from decode.space import SearchSpace
 from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
-from supernet.space import SearchSpace
 from supernet.train import TrainConfig, evaluate, train
 from supernet.unroll import LossConfig, subnet_losses, unroll_mask
 

@@ -7,21 +7,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import single_thread, tiny_target
 
 import supernet.data as data_mod
-from conftest import single_thread, tiny_target
 from decode.arch import DraftArch
 from decode.datasets import PromptItem
 from decode.draft_init import expand_kv_rows, init_from_target, source_layer
 from decode.draft_model import DraftModel, TargetDims
 from decode.errors import UserError
+from decode.space import SearchSpace
 from decode.vanilla import vanilla_generate
 from supernet.data import DataConfig, build_sequence
 from supernet.elastic import DraftSupernet
 from supernet.regen import batch_greedy
-from supernet.space import SearchSpace
 from supernet.unroll import LossConfig, subnet_losses, target_kl, topk_ce
-
 
 # ---------------------------------------------------------------- start from the target
 
