@@ -23,6 +23,7 @@ Writes OUT/trials.csv, OUT/best.csv, OUT/trials.png, OUT/summary.json and the be
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -40,11 +41,11 @@ from nas.study import SAMPLERS
 if TYPE_CHECKING:  # heavy imports stay inside the functions so that --help and bad flags answer at once
     import pandas as pd
 
+    from decode.space import SearchSpace
     from decode.target import TargetModel
     from nas.hardware import ProfileChoice
     from nas.loading import HeldOut
     from supernet.elastic import DraftSupernet
-    from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +139,10 @@ class Inputs:
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
     """Target, supernet (from the pipeline when not given), space, held-out sequences, latency profile."""
     from decode.loader import load_target
+    from decode.space import SearchSpace
     from nas import pipeline
     from nas.hardware import check_hardware, local_hardware, resolve_profile, warn_extrapolation
     from nas.loading import check_subspace, heldout_sequences, load_supernet, read_supernet_state
-    from supernet.space import SearchSpace
 
     # cheap checks first: bad names fail before any model is loaded
     if cfg.hardware is not None and cfg.profile is None:
@@ -327,7 +328,8 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     from nas.choose import to_json
     from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, SweepTau, TauCache
     from nas.report import finished, write_report
-    from nas.study import enqueue_small_space, enqueue_starting_archs, open_storage, open_study, sqlite_url
+    from nas.study import SetupMismatch, enqueue_small_space, enqueue_starting_archs, open_storage, open_study, \
+        sqlite_url
 
     cfg.check()
     storage = open_storage(cfg.storage) if cfg.storage is not None else None  # a bad URL fails first
@@ -357,7 +359,19 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     })
     sampler = cfg.sampler or ("nsga2" if cfg.pareto else "tpe")
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial otherwise; tqdm shows progress
-    study, is_new = open_study(storage, study_name, obj_cfg.directions, setup, sampler, cfg.seed, obj_cfg.constrained)
+    try:
+        study, is_new = open_study(storage, study_name, obj_cfg.directions, setup, sampler, cfg.seed,
+                                   obj_cfg.constrained)
+    except SetupMismatch as err:
+        if cfg.study_name:  # a name the user chose: mixing other inputs into it is refused
+            raise
+        # the default name and new inputs (a new supernet, another machine's profile): a study of their own,
+        # named by their digest, so that a rerun with these inputs resumes it
+        digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:8]
+        logger.warning("%s; without --study-name this run uses study '%s-%s'", err, study_name, digest)
+        study_name = f"{study_name}-{digest}"
+        study, is_new = open_study(storage, study_name, obj_cfg.directions, setup, sampler, cfg.seed,
+                                   obj_cfg.constrained)
     n_trials = cfg.trials or int(inp.defaults["trials"])
     if is_new:
         labels = enqueue_starting_archs(study, inp.space, inp.supernet.entropy_layer)

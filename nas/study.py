@@ -17,15 +17,16 @@ import logging
 import os
 import time
 import warnings
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
 from decode.errors import UserError
+from decode.space import SearchSpace
 from nas.objective import constraints_func
 from nas.suggest import arch_to_params, every_arch, starting_archs
-from supernet.space import SearchSpace
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,30 @@ HEARTBEAT_S = 10  # a running trial records a heartbeat this often ...
 GRACE_S = int(os.environ.get("VLM_DRAFT_NAS_GRACE_S", "60"))  # ... and is a dead worker's after this long without
 
 
+class HeartbeatStorage(optuna.storages.RDBStorage):
+    """RDBStorage whose stale trials also include those killed before their first heartbeat.
+
+    Optuna creates a trial RUNNING, then starts the thread that records its heartbeats: a worker killed
+    in between leaves a RUNNING trial with no heartbeat, which Optuna never fails (it only compares
+    recorded heartbeats). Such a trial older than the grace period is a dead worker's too.
+    """
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        stale = super()._get_stale_trial_ids(study_id)
+        try:  # Optuna internals (the heartbeat table); an Optuna that moved them only loses this extra rule
+            from optuna.storages._rdb import models
+            from optuna.storages._rdb.storage import _create_scoped_session
+        except ImportError:
+            return stale
+        cutoff = datetime.now() - timedelta(seconds=self.grace_period or 2 * (self.heartbeat_interval or 0))
+        old = [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False,
+                                                          states=(optuna.trial.TrialState.RUNNING,))
+               if t.datetime_start is not None and t.datetime_start < cutoff and t._trial_id not in stale]
+        with _create_scoped_session(self.scoped_session) as session:
+            silent = [i for i in old if models.TrialHeartbeatModel.where_trial_id(i, session) is None]
+        return stale + silent
+
+
 def open_storage(url: str, retries: int = 3) -> optuna.storages.RDBStorage:
     """An RDBStorage for `url`; UserError (one line) when it cannot be opened.
 
@@ -48,7 +73,8 @@ def open_storage(url: str, retries: int = 3) -> optuna.storages.RDBStorage:
     failing with "database is locked"; table creation is retried (two fresh workers may race on it).
     Running trials send heartbeats: a trial whose worker was killed is marked FAIL by the next worker
     (at the start of its next trial, after GRACE_S without a heartbeat) and its arch is queued again once
-    (RetryHeartbeatStaleTrialCallback), so a killed search loses nothing but the trial in flight.
+    (RetryHeartbeatStaleTrialCallback), so a killed search loses nothing but the trial in flight; a trial
+    killed before its first heartbeat is failed too once GRACE_S old (HeartbeatStorage).
     """
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
     if url.startswith("sqlite:///"):
@@ -59,7 +85,7 @@ def open_storage(url: str, retries: int = 3) -> optuna.storages.RDBStorage:
         try:
             with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna 5: no warning per run
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                return HeartbeatStorage(
                     url, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
         except SQLAlchemyError as err:
@@ -86,6 +112,10 @@ def make_sampler(name: str, seed: int | None, constrained: bool) -> optuna.sampl
     raise UserError(f"unknown sampler '{name}'; use one of: {', '.join(SAMPLERS)}")
 
 
+class SetupMismatch(UserError):
+    """A stored study was run with other inputs than this run's (target, supernet, profile, objective, ...)."""
+
+
 def open_study(storage: optuna.storages.BaseStorage, name: str, directions: list[str], setup: dict, sampler_name: str,
                seed: int, constrained: bool) -> tuple[optuna.Study, bool]:
     """Create or load the study; -> (study, is_new). The sampler seed is offset by the trials already there,
@@ -107,8 +137,8 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, directions: list
     elif old != setup:
         diff = ", ".join(f"{k}: stored {json.dumps(old.get(k))} vs now {json.dumps(setup.get(k))}"
                          for k in sorted(set(old) | set(setup)) if old.get(k) != setup.get(k))
-        raise UserError(f"study '{name}' was run with other settings ({diff}); use another --study-name or the same "
-                        "inputs")
+        raise SetupMismatch(f"study '{name}' was run with other settings ({diff}); use another --study-name or the "
+                            "same inputs")
     return study, not study.trials
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 from conftest import single_thread, tiny_prompt, tiny_target
+
 from decode.drafts import make_draft
 from decode.errors import UserError
 from decode.speculative import speculative_generate
@@ -265,6 +265,18 @@ def test_bad_input_is_one_line(assets, tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --trials must be at least 1, got 0"]
 
 
+def test_default_study_name_moves_on_when_the_inputs_change(assets, tmp_path):
+    """Rerunning `nas.search` without --study-name after its inputs changed (here the context length; a new
+    supernet or this machine's own profile alike) starts a study named by the new inputs instead of
+    failing, and a second run with those inputs resumes that one."""
+    cfg = replace(_cfg(assets, tmp_path / "run", trials=1, export=False), study_name=None)
+    first = run_search(cfg)
+    second = run_search(replace(cfg, context=40))
+    assert second.study_name.startswith(first.study_name + "-") and second.total_complete == 1
+    third = run_search(replace(cfg, context=40))
+    assert third.study_name == second.study_name and third.total_complete == 2
+
+
 def test_pipeline_builds_once_then_reuses(tmp_path):
     """No --supernet: data, supernet, held-out data and profile are built under the cache, then reused."""
     cfg = SearchConfig(target=TARGET, scale="smoke", cache_dir=str(tmp_path / "cache"),
@@ -323,7 +335,7 @@ def test_a_killed_worker_trial_is_failed_and_its_arch_rerun(assets, tmp_path, mo
         deadline = time.time() + 120
         while time.time() < deadline and proc.poll() is None and not running():
             time.sleep(0.02)
-        time.sleep(0.4)  # past the trial's first heartbeat (Optuna only fails trials that sent one)
+        time.sleep(0.4)  # into the trial (killed before or after its first heartbeat: both must be failed)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         stuck = running()  # what the kill really left behind
@@ -339,6 +351,30 @@ def test_a_killed_worker_trial_is_failed_and_its_arch_rerun(assets, tmp_path, mo
     retried = [t for t in trials if t.system_attrs.get("failed_trial") == killed]
     assert retried and trials[killed].params.items() <= retried[0].params.items()  # killed mid-suggest: a prefix
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_once_old(tmp_path, monkeypatch):
+    """Optuna creates a trial RUNNING and only then records its first heartbeat: a worker killed in between
+    leaves a trial with no heartbeat, which Optuna alone never fails. Ours does once it is GRACE_S old, and
+    leaves alone a young silent trial and an old one whose heartbeat is fresh."""
+    import time
+
+    import nas.study
+
+    monkeypatch.setattr(nas.study, "GRACE_S", 1)
+    storage = nas.study.open_storage(f"sqlite:///{tmp_path / 'h.db'}")
+    study = optuna.create_study(storage=storage, study_name="h")
+    silent_old, beating_old = study.ask(), study.ask()  # ask() starts no heartbeat thread: both silent
+    time.sleep(1.5)
+    silent_young = study.ask()
+    storage.record_heartbeat(beating_old._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    state = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    assert state[silent_old.number] == optuna.trial.TrialState.FAIL
+    assert state[beating_old.number] == optuna.trial.TrialState.RUNNING
+    assert state[silent_young.number] == optuna.trial.TrialState.RUNNING
+    retried = [t for t in study.get_trials(deepcopy=False) if t.system_attrs.get("failed_trial") == silent_old.number]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.WAITING  # its arch is queued again
 
 
 def test_search_with_a_supernet_writes_its_new_profile_into_its_own_out(assets, tmp_path, monkeypatch):
@@ -357,6 +393,31 @@ def test_search_with_a_supernet_writes_its_new_profile_into_its_own_out(assets, 
     assert own.stat().st_mtime == mtime and res.total_complete >= 1
     words = shlex.split(res.command)  # the printed next step survives copy-paste of a path with a space
     assert words[:3] == ["python", "-m", "decode.run"] and words[words.index("--draft") + 1] == str(res.draft)
+
+
+def test_a_stored_profile_of_another_machine_is_not_used(assets, tmp_path, caplog):
+    """A measured "cpu" profile from another CPU (model, cores or vector extensions) does not describe this
+    one: its few-row verify costs can differ 2x (decode.small_rows). It is skipped, with a warning, and this
+    machine's profile is measured into the run's own folder instead."""
+    import logging
+
+    from hwprofile.device import DeviceInfo, local_device, other_machine
+
+    here = local_device("cpu")
+    assert other_machine(here, here) is None
+    assert "cores" in other_machine(replace(here, cpu_cores=here.cpu_cores + 1), here)
+    assert "vs" in other_machine(replace(here, cpu_isa="avx2,amx_tile,sve"), here)
+    assert other_machine(replace(here, cpu_isa=""), here) is None  # profiles from before the field: model + cores
+    elsewhere = tmp_path / "stored"
+    elsewhere.mkdir()
+    data = json.loads(Path(assets["profile"]).read_text())
+    data["device"] = {**DeviceInfo.from_dict(data["device"]).to_dict(), "cpu_model": "Some Other CPU"}
+    (elsewhere / "cpu-tiny-llava.json").write_text(json.dumps(data))
+    cfg = _cfg(assets, tmp_path / "run", profile=None, trials=1, export=False, scale="smoke")
+    with caplog.at_level(logging.WARNING, logger="nas.hardware"):
+        run_search(replace(cfg, profile_dir=str(elsewhere)))
+    assert any("measured on another machine" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "run" / "profiles" / "cpu-tiny-llava.json").is_file()  # measured here instead
 
 
 def test_recorded_command_names_the_module_and_quotes_its_arguments():
