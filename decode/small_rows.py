@@ -1,45 +1,106 @@
-"""Faster CPU linear layers for the few-row inputs of decoding (a small draft tree, its verification).
+"""Faster CPU linear layers for the few-row inputs of decoding (a small draft tree, its verification),
+where the CPU has them: the choice is measured per shape on the machine that runs.
 
-torch's `F.linear(x, W)` computes x @ W^T through MKL's GEMM with a transposed weight, which re-packs the
-whole weight on every call when x has a few rows: on 2 cores the target's LM head (49152 x 576) took
-9.4 ms for one row but 22.5 ms for two and 33.6 ms for three, while W @ x^T (the same product, W read in
-place) took 3.1 and 4.0 ms; verifying a 2-3 token tree cost 1.6-2x a decoding step. `linear` takes the
-W @ x^T path for 2-4 rows of every projection and up to SMALL_ROWS rows of LM heads (WIDE outputs and
-more), on CPU float32 inference calls; one row (MKL's GEMV), prefill and training keep F.linear.
+torch's `F.linear(x, W)` computes x @ W^T through MKL's GEMM with a transposed weight. On some CPUs that
+re-packs the whole weight on every call when x has a few rows: on one 2-core Xeon (AVX2) the target's LM
+head (49152 x 576) took 9.4 ms for one row but 22.5 ms for two and 33.6 ms for three, while W @ x^T (the
+same product, W read in place) took 3.1 and 4.0 ms, and verifying a 2-3 token tree cost 1.6-2x a decoding
+step. On another 2-core Xeon (AVX-512 + AMX) it is the other way round: F.linear 2.4 ms for 1-3 rows of the
+same head, W @ x^T 7.9 ms, and a 2-4 token verify through W @ x^T cost 2.2x a step against 1.1-1.5x with
+F.linear. So no fixed rule is right: in the default mode `auto`, the first call with a given (rows, in,
+out) shape times both products on its real weight (a few alternating runs, medians) and every later call
+of that shape takes the faster one; W @ x^T must win by 10% to be taken.
 
-The draft blocks call `linear`; `use_small_rows(model)` switches every nn.Linear of a target to it
-(decode.loader does so for every target). Vanilla and speculative decoding run the same layers, so
-speed-ups stay like-for-like; outputs stay token-identical (tested), values within 1e-5 of F.linear.
-VLM_DRAFT_NAS_PLAIN_LINEAR=1 keeps F.linear everywhere (A/B runs).
+Only CPU float32 inference calls with 2..SMALL_ROWS rows are candidates; one row (MKL's GEMV), prefill,
+training (autograd) and other devices or dtypes always run F.linear. The draft blocks call `linear`;
+`use_small_rows(model)` routes every nn.Linear of a target through it (decode.loader does so for every
+target). Vanilla and speculative decoding run the same layers, so speed-ups stay like-for-like; outputs
+stay token-identical (tested), values within 1e-5 of F.linear.
+
+VLM_DRAFT_NAS_SMALL_ROWS=auto (default) | on (W @ x^T for every candidate call) | off (F.linear
+everywhere; VLM_DRAFT_NAS_PLAIN_LINEAR=1 means the same). `choices()` lists what auto picked.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 import types
 
 import torch
 
-WIDE = 8192  # output features from which W @ x^T wins at every row count up to SMALL_ROWS (LM heads)
 SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep F.linear
-ENABLED = os.environ.get("VLM_DRAFT_NAS_PLAIN_LINEAR", "") in ("", "0")  # =1: torch's F.linear everywhere (A/B)
+MARGIN = 0.9  # auto: W @ x^T is taken when its median time is below MARGIN x F.linear's
+MODES = ("auto", "on", "off")
 
 
-def _path(rows: int, out_features: int) -> bool:
-    """True when W @ x^T beats F.linear for (rows x in) @ (out x in)^T on a CPU (measured per shape on 2
-    cores, see the module doc): 2-4 rows for every projection, up to SMALL_ROWS rows for LM heads. One row
-    stays with F.linear (MKL's GEMV); W @ x^T of a doubled row is faster alone but slower inside a model."""
-    return 2 <= rows <= 4 or (2 <= rows <= SMALL_ROWS and out_features >= WIDE)
+def _mode_from_env() -> str:
+    if os.environ.get("VLM_DRAFT_NAS_PLAIN_LINEAR", "") not in ("", "0"):
+        return "off"
+    mode = os.environ.get("VLM_DRAFT_NAS_SMALL_ROWS", "auto").strip().lower() or "auto"
+    return mode if mode in MODES else "auto"
+
+
+MODE = _mode_from_env()
+_CHOICE: dict[tuple[int, int, int], bool] = {}  # (rows, in, out) -> W @ x^T is faster (auto mode, measured)
+
+
+def _rows_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight @ x2.T).T  # (rows, out): W (out, in) is read in place, not re-packed
+
+
+def _measure(rows: int, weight: torch.Tensor, reps: int = 7, sample_s: float = 2e-4) -> bool:
+    """True when W @ x^T beats F.linear for `rows` rows through this weight on this machine: medians of
+    `reps` alternating samples, each sample repeating the product until it lasts about `sample_s` (a
+    576 x 576 projection of 3 rows takes some 10-40 us: single calls would time the clock's noise)."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+
+    def plain() -> None:
+        torch.nn.functional.linear(x, weight)
+
+    def mine() -> None:
+        _rows_product(x, weight)
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        plain()
+        mine()
+        k = max(1, min(64, int(sample_s / max(time.perf_counter() - t0, 1e-7) * 2)))
+        times: dict = {plain: [], mine: []}
+        for _ in range(reps):
+            for f in (plain, mine):
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    f()
+                times[f].append(time.perf_counter() - t0)
+    return statistics.median(times[mine]) < MARGIN * statistics.median(times[plain])
+
+
+def _take_rows_path(rows: int, weight: torch.Tensor) -> bool:
+    if MODE == "on":
+        return True
+    key = (rows, weight.shape[1], weight.shape[0])
+    faster = _CHOICE.get(key)
+    if faster is None:
+        faster = _CHOICE[key] = _measure(rows, weight)
+    return faster
+
+
+def choices() -> dict[str, bool]:
+    """What auto mode measured so far: "rows x in -> out" -> W @ x^T taken."""
+    return {f"{r}x{i}->{o}": v for (r, i, o), v in sorted(_CHOICE.items())}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through W @ x^T where that is faster (few rows, CPU, float32, inference).
     x: (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not ENABLED or not _path(rows, weight.shape[0]) or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if (MODE == "off" or not 2 <= rows <= SMALL_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or not _take_rows_path(rows, weight)):
         return torch.nn.functional.linear(x, weight, bias)
-    y = (weight @ x.reshape(rows, x.shape[-1]).T).T  # (rows, out): W (out, in) is read in place, not re-packed
+    y = _rows_product(x.reshape(rows, x.shape[-1]), weight)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -49,6 +49,7 @@ class DeviceInfo:
     cpu_model: str = ""
     cpu_cores: int = 0
     torch_threads: int = 0
+    cpu_isa: str = ""  # the CPU's vector extensions that decide which kernels are fast (cpu_isa()), "" = unknown
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +85,40 @@ def cpu_model() -> str:
             if line.lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")  # x86 and Arm
+
+
+def cpu_isa() -> str:
+    """The vector extensions among ISA_FLAGS that /proc/cpuinfo lists, e.g. "avx2,avx512f,amx_tile"; two
+    CPUs of one model name can differ here (and MKL's small-matrix kernels with them), "" when unknown."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return ""
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        if line.lower().startswith(("flags", "features")):
+            have = set(line.split(":", 1)[1].split())
+            return ",".join(f for f in ISA_FLAGS if f in have)
+    return ""
+
+
+def other_machine(measured_on: DeviceInfo, here: DeviceInfo) -> str | None:
+    """Why a profile measured on `measured_on` does not describe `here` (None: the same kind of machine).
+    CPUs: model, cores and vector extensions (when both are known); GPUs: product name and memory variant."""
+    if measured_on.kind != here.kind:
+        return f"{measured_on.kind} vs {here.kind}"
+    if here.kind == "cpu":
+        a = (measured_on.cpu_model, measured_on.cpu_cores)
+        b = (here.cpu_model, here.cpu_cores)
+        if a != b:
+            return f"{a[0]} ({a[1]} cores) vs {b[0]} ({b[1]} cores)"
+        if measured_on.cpu_isa and here.cpu_isa and measured_on.cpu_isa != here.cpu_isa:
+            return f"{a[0]} with {measured_on.cpu_isa} vs {here.cpu_isa}"
+        return None
+    if (measured_on.name, measured_on.variant) != (here.name, here.variant):
+        return f"{measured_on.name} vs {here.name}"
+    return None
 
 
 def cpu_cores() -> int:
@@ -162,7 +197,8 @@ def _nvml_fields(index: int, uuid: str | None = None) -> dict:
 def local_device(device: torch.device | str | None = None) -> DeviceInfo:
     """Identity of the device that `device` (default: cuda if available, else cpu) names."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    common = dict(cpu_model=cpu_model(), cpu_cores=cpu_cores(), torch_threads=torch.get_num_threads())
+    common = dict(cpu_model=cpu_model(), cpu_cores=cpu_cores(), torch_threads=torch.get_num_threads(),
+                  cpu_isa=cpu_isa())
     if dev.type != "cuda":
         return DeviceInfo(hardware="cpu", kind="cpu", name=common["cpu_model"], memory_bytes=system_memory_bytes(),
                           **common)

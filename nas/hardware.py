@@ -6,6 +6,10 @@
                             (roofline from configs/hardware/NAME.yaml, calibrated on this machine)
     neither                 NAME = this machine's canonical name (hwprofile.device.local_device)
 
+A stored measured profile of this machine's hardware name is used only when it was measured on the same
+kind of machine (CPU model, cores and vector extensions; GPU product): "cpu" covers CPUs whose few-row
+kernels differ by 2x (decode.small_rows), so another machine's profile is skipped and this one measured.
+
 Every choice is logged; a profile of another target (fingerprints differ) is refused.
 """
 
@@ -18,7 +22,7 @@ from pathlib import Path
 from decode.errors import UserError
 from decode.loader import pick_device
 from decode.target import TargetModel
-from hwprofile.device import local_device
+from hwprofile.device import DeviceInfo, local_device, other_machine
 from hwprofile.latency import LatencyModel
 from hwprofile.schema import Profile, default_profile_path
 from hwprofile.specs import known_hardware
@@ -81,6 +85,12 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
         if path.is_file():
             prof = Profile.load(path)
             check_profile(prof, path, target, hardware)
+            if hardware == local and not prof.predicted:
+                differs = other_machine(DeviceInfo.from_dict(prof.device), local_device(pick_device(device)))
+                if differs:  # e.g. a "cpu" profile from another CPU: its verify/step ratios are not this one's
+                    logger.warning("hardware %s: the stored profile %s was measured on another machine (%s); "
+                                   "not using it", hardware, path, differs)
+                    continue
             logger.info("hardware %s: using the stored %s profile %s", hardware,
                            "predicted" if prof.predicted else "measured", path)
             return ProfileChoice(hardware, path, "stored", LatencyModel(prof))

@@ -13,9 +13,15 @@ from decode.speculative import speculative_generate
 from decode.vanilla import vanilla_generate
 
 
-@pytest.mark.parametrize("out_features", [48, 576, small_rows.WIDE + 8])
+@pytest.fixture
+def forced(monkeypatch):
+    """W @ x^T for every candidate call, whatever this machine measures."""
+    monkeypatch.setattr(small_rows, "MODE", "on")
+
+
+@pytest.mark.parametrize("out_features", [48, 576, 8200])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17])
-def test_linear_matches_f_linear(rows, out_features):
+def test_linear_matches_f_linear(rows, out_features, forced):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 64, generator=g)
     b = torch.randn(out_features, generator=g)
@@ -29,20 +35,44 @@ def test_linear_matches_f_linear(rows, out_features):
     torch.testing.assert_close(linear(x3, w), torch.nn.functional.linear(x3, w), rtol=1e-5, atol=1e-5)
 
 
-def test_which_calls_take_the_new_path(monkeypatch):
+def test_which_calls_take_the_new_path(monkeypatch, forced):
     calls = []
     real = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
-    w = torch.randn(small_rows.WIDE, 32)
+    w = torch.randn(8200, 32)
     linear(torch.randn(3, 32), w)
-    assert calls == []  # few rows of an LM head: W @ x^T
+    assert calls == []  # few rows: W @ x^T
     linear(torch.randn(1, 32), w)  # one row: GEMV stays
     linear(torch.randn(3, 32, requires_grad=True), w)  # training: autograd through F.linear
     linear(torch.randn(3, 32, dtype=torch.float64), w.double())  # not float32
     linear(torch.randn(small_rows.SMALL_ROWS + 1, 32), w)  # prefill-sized
-    monkeypatch.setattr(small_rows, "ENABLED", False)
+    monkeypatch.setattr(small_rows, "MODE", "off")
     linear(torch.randn(3, 32), w)
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("slow", ["rows", "plain"])
+def test_auto_mode_takes_the_product_measured_faster_once_per_shape(monkeypatch, slow):
+    """auto: the first call of a shape times both products on its weight; the slower one is never taken
+    for that shape again, and the timing is not repeated."""
+    import time
+
+    monkeypatch.setattr(small_rows, "MODE", "auto")
+    monkeypatch.setattr(small_rows, "_CHOICE", {})
+    real_rows, real_plain = small_rows._rows_product, torch.nn.functional.linear
+    if slow == "rows":
+        monkeypatch.setattr(small_rows, "_rows_product", lambda x, w: time.sleep(0.002) or real_rows(x, w))
+    else:
+        monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: time.sleep(0.002) or real_plain(*a, **k))
+    measured = []
+    real_measure = small_rows._measure
+    monkeypatch.setattr(small_rows, "_measure", lambda r, w: measured.append(r) or real_measure(r, w, reps=3))
+    w, x = torch.randn(64, 32), torch.randn(3, 32)
+    for _ in range(3):
+        torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    linear(torch.randn(2, 32), w)
+    assert measured == [3, 2]  # once per (rows, in, out)
+    assert small_rows.choices() == {"2x32->64": slow == "plain", "3x32->64": slow == "plain"}
 
 
 def test_gradients_flow_as_with_f_linear():
@@ -55,7 +85,7 @@ def test_gradients_flow_as_with_f_linear():
     assert torch.equal(w.grad, ref)
 
 
-def test_targets_use_it_and_decoding_stays_lossless(monkeypatch):
+def test_targets_use_it_and_decoding_stays_lossless(monkeypatch, forced):
     target = tiny_target("tiny-llava")
     assert any(m.forward.__func__ is small_rows._forward for m in target.model.modules()
                if isinstance(m, torch.nn.Linear) and hasattr(m.forward, "__func__"))
@@ -63,5 +93,5 @@ def test_targets_use_it_and_decoding_stays_lossless(monkeypatch):
     draft = make_draft("random:hybrid", target)
     fast = speculative_generate(target, draft, prompt, 24).tokens
     assert fast == vanilla_generate(target, prompt, 24).tokens
-    monkeypatch.setattr(small_rows, "ENABLED", False)
+    monkeypatch.setattr(small_rows, "MODE", "off")
     assert vanilla_generate(target, prompt, 24).tokens == fast  # the same greedy text with torch's kernels
