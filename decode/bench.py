@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from decode import small_rows
 from decode.benchio import RESULTS_DIR, VANILLA, Method, check_tree_args, default_out_path, environment, identical, \
     make_policy, measure, merge_hists, warm_up, write_json
 from decode.datasets import PromptItem, parse_prompt_spec
@@ -93,7 +94,10 @@ def _methods(config: BenchConfig, target) -> list[Method]:
             methods.append(Method.transformers(spec))
             continue
         draft = make_draft(spec, target, seed=config.seed or 0)
-        name = draft.name if draft.name not in {m.name for m in methods} else spec
+        taken = {m.name for m in methods}
+        name = draft.name if draft.name not in taken else spec  # e.g. two checkpoint folders both named draft
+        if name in taken:  # the same spec twice
+            name = f"{spec}#{len(methods)}"
         methods.append(Method(name, draft, make_policy(draft, config.tree, config.tree_overrides, config.candidates)))
     return methods
 
@@ -150,6 +154,7 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
             "complete": done == len(built),
             "methods": [m.describe() for m in methods],
             "summary": summarize(rows, [m.name for m in methods], sampling.greedy),
+            "small_rows": {"mode": small_rows.MODE, "choices": small_rows.choices()},  # which linear kernels ran
             "per_prompt": rows,
         }
 

@@ -28,6 +28,7 @@ def test_bench_main_writes_json_and_table(tmp_path, monkeypatch, capsys):
     assert REQUIRED <= set(res)
     assert res["config"]["drafts"] == ["prompt-lookup", "layerskip:1"] and res["config"]["max_new_tokens"] == 8
     assert set(res["versions"]) == {"python", "torch", "transformers"}
+    assert res["small_rows"]["mode"] in ("auto", "on", "off") and isinstance(res["small_rows"]["choices"], dict)
     assert res["prompts"]["count"] == 2 and res["prompts"]["skipped_image_prompts"] == 1  # text-only target
     summary = {row["method"]: row for row in res["summary"]}
     assert list(summary) == ["vanilla", "prompt-lookup", "layerskip:1"]
@@ -119,3 +120,21 @@ def test_transformers_generate_and_lookup_rows_beside_ours(target):
 def test_bad_transformers_method_is_a_user_error():
     with pytest.raises(UserError, match="hf-lookup:N"):
         run_bench(BenchConfig(target="tiny-llama", drafts=("hf-lookup:x",), device="cpu"), prompts=PROMPTS[:1])
+
+
+def test_every_method_gets_its_own_row_name(tmp_path):
+    """An exported training-free design beside plain prompt lookup, two checkpoint folders of one name and
+    one spec given twice: every method keeps a row of its own (the summary is keyed by name)."""
+    from conftest import tiny_target
+    from decode.drafts.kinds import save_training_free
+    from decode.drafts.prompt_lookup import LookupSpec
+
+    target = tiny_target("tiny-llama")
+    for run in ("a", "b"):
+        save_training_free(tmp_path / run / "draft", "prompt-lookup", target, LookupSpec(max_ngram=2, tree_depth=2,
+                                                                                          top_k=1, total_tokens=2))
+    cfg = BenchConfig(target="tiny-llama", drafts=(str(tmp_path / "a" / "draft"), "prompt-lookup",
+                                                   str(tmp_path / "b" / "draft"), "prompt-lookup"))
+    names = [m.name for m in bench._methods(cfg, target)]
+    assert names == ["vanilla", "draft:prompt-lookup", "prompt-lookup", str(tmp_path / "b" / "draft"),
+                     "prompt-lookup#4"]

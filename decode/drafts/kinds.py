@@ -59,10 +59,10 @@ def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> 
     """The draft a checkpoint directory holds; with_lookup merges lookup into a neural one (DIR+lookup)."""
     config = read_config(directory)
     kind, name = config.get("kind", "neural"), Path(directory).name
-    if kind == "none":
-        return NoDraft()
-    if kind == "prompt-lookup":
-        return PromptLookupDraft(spec=lookup_spec(config, str(directory)))
+    if kind in ("none", "prompt-lookup"):  # named after their folder too: a bench may run it beside plain lookup
+        draft = NoDraft() if kind == "none" else PromptLookupDraft(spec=lookup_spec(config, str(directory)))
+        draft.name = f"{name}:{kind}"
+        return draft
     neural = NeuralDraft(DraftModel.from_pretrained(directory, target), name=name)
     if kind == "neural+lookup":
         return MergedDraft(neural, lookup_spec(config, str(directory)), str(config.get("merge", "union")))
