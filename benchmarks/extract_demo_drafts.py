@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from decode.arch import DraftArch
-from decode.draft_model import DraftModel, TargetDims
-from decode.loader import load_target
+from decode.drafts.model import DraftModel, TargetDims
 from decode.space import SearchSpace
+from decode.targets.loader import load_target
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet

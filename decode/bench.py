@@ -28,14 +28,26 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decode import small_rows
-from decode.benchio import RESULTS_DIR, VANILLA, Method, check_tree_args, default_out_path, environment, identical, \
-    make_policy, measure, merge_hists, warm_up, write_json
+from decode.benchio import (
+    RESULTS_DIR,
+    VANILLA,
+    Method,
+    check_tree_args,
+    default_out_path,
+    environment,
+    identical,
+    make_policy,
+    measure,
+    merge_hists,
+    warm_up,
+    write_json,
+)
 from decode.datasets import PromptItem, parse_prompt_spec
 from decode.errors import UserError
+from decode.loop.sampling import SamplingConfig
+from decode.loop.vanilla import check_max_new_tokens
 from decode.paths import writable_dir, writable_file
-from decode.sampling import SamplingConfig
-from decode.vanilla import check_max_new_tokens
+from decode.runtime import small_rows
 
 logger = logging.getLogger("decode.bench")  # not __main__ under python -m
 
@@ -85,7 +97,6 @@ class BenchConfig:
 
 def _methods(config: BenchConfig, target) -> list[Method]:
     from decode.drafts import make_draft
-
     from decode.hf_generate import is_hf_spec
 
     methods = [Method.vanilla()]
@@ -121,7 +132,7 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
     """
     from tqdm import tqdm
 
-    from decode.loader import load_target
+    from decode.targets.loader import load_target
 
     config.check()
     sampling = config.sampling

@@ -27,12 +27,12 @@ import torch
 
 from decode.arch import TreeSpec
 from decode.drafts.base import Draft
+from decode.loop.sampling import SamplingConfig
+from decode.loop.speculative import SpecResult, speculative_generate
+from decode.loop.tree import TreePolicy
+from decode.loop.vanilla import GenerationResult, vanilla_generate
 from decode.prompt import Prompt
-from decode.sampling import SamplingConfig
-from decode.speculative import SpecResult, speculative_generate
-from decode.target import TargetModel
-from decode.tree import TreePolicy
-from decode.vanilla import GenerationResult, vanilla_generate
+from decode.targets.target import TargetModel
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from decode.errors import UserError
 
 
 def add_target_args(parser: argparse.ArgumentParser, default: str = "smolvlm-135m") -> None:
-    from decode.presets import preset_names
+    from decode.targets.presets import preset_names
 
     parser.add_argument("--target", default=default,
                         help=f"preset name ({', '.join(preset_names())}) or a local HF model directory (default: {default})")
@@ -25,7 +25,7 @@ def add_target_args(parser: argparse.ArgumentParser, default: str = "smolvlm-135
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    logging.getLogger("decode.embedded").setLevel(logging.INFO)  # first-run preparation shows its progress
+    logging.getLogger("decode.targets.embedded").setLevel(logging.INFO)  # first-run preparation shows its progress
     import transformers
 
     if not verbose:

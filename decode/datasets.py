@@ -23,9 +23,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from decode.embedded import default_cache_dir
 from decode.errors import UserError
 from decode.images import BUNDLED_PHOTOS
+from decode.targets.embedded import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

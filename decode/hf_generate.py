@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from decode.errors import UserError
+from decode.loop.vanilla import GenerationResult, sync_device
 from decode.prompt import Prompt
-from decode.vanilla import GenerationResult, sync_device
 
 
 @dataclass(frozen=True)

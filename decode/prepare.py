@@ -12,8 +12,8 @@ import logging
 import pathlib
 import sys
 
-from decode.embedded import EMBEDDED, default_cache_dir, prepare
 from decode.errors import UserError
+from decode.targets.embedded import EMBEDDED, default_cache_dir, prepare
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from decode.errors import UserError
 from decode.images import load_image
 
 if TYPE_CHECKING:
-    from decode.target import TargetModel
+    from decode.targets.target import TargetModel
 
 logger = logging.getLogger(__name__)
 

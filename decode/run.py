@@ -18,9 +18,9 @@ import sys
 from decode.benchio import VANILLA, Method, check_tree_args, identical, make_policy, measure, warm_up
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.errors import UserError
-from decode.loader import load_target
-from decode.sampling import SamplingConfig
-from decode.vanilla import check_max_new_tokens
+from decode.loop.sampling import SamplingConfig
+from decode.loop.vanilla import check_max_new_tokens
+from decode.targets.loader import load_target
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """Draft component tables: the pieces one NeuralDraft forward (and accept) is made of.
 
-A draft forward over n tokens (decode.draft_model.DraftModel.forward + the scorer) is
+A draft forward over n tokens (decode.drafts.model.DraftModel.forward + the scorer) is
 
     draft_input    embed(tokens) (n, H) [+ in_fc(cat[embed, g]) (n, 2H) -> (n, H) for concat/hybrid]
     draft_layer    per layer: DraftLayer(x, ...) over a cache of ctx committed entries (+ gated
@@ -23,10 +23,10 @@ from itertools import product
 import torch
 
 from decode.arch import DraftArch
-from decode.draft_blocks import DraftKV, DraftLayer
-from decode.draft_model import DraftModel, TargetDims
+from decode.drafts.blocks import DraftKV, DraftLayer
+from decode.drafts.model import DraftModel, TargetDims
 from decode.space import SearchSpace
-from decode.target import TargetModel
+from decode.targets.target import TargetModel
 from hwprofile import census
 from hwprofile.config import Grids
 from hwprofile.cycle import filler_tokens

@@ -26,11 +26,11 @@ from itertools import product
 import torch
 
 from decode.arch import DraftArch, max_tree_nodes
-from decode.draft_model import DraftModel, TargetDims
+from decode.drafts.model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
+from decode.loop.tree import TreePolicy
 from decode.space import SearchSpace
-from decode.target import TargetModel
-from decode.tree import TreePolicy
+from decode.targets.target import TargetModel
 from hwprofile.config import Grids
 from hwprofile.cycle import GREEDY, synthetic_prompt
 from hwprofile.tables import Table

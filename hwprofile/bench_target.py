@@ -19,7 +19,7 @@ import logging
 import torch
 from transformers import DynamicCache
 
-from decode.target import TargetModel
+from decode.targets.target import TargetModel
 from hwprofile import census
 from hwprofile.config import Grids
 from hwprofile.cycle import filler_tokens, synthetic_prompt, verify_shape_tree, verify_tree

@@ -1,4 +1,4 @@
-"""One speculative cycle exactly as decode.speculative runs it, split where the profiler times it.
+"""One speculative cycle exactly as decode.loop.speculative runs it, split where the profiler times it.
 
     draft.propose  the draft builds its tree                                    -> draft components + overhead
     verify_tree    truncation + forward_tree + verify + keep + path bookkeeping -> the `verify` table
@@ -14,11 +14,11 @@ import functools
 
 import torch
 
+from decode.loop.sampling import SamplingConfig
+from decode.loop.tree import DraftTree
+from decode.loop.verify import verify
 from decode.prompt import Prompt
-from decode.sampling import SamplingConfig
-from decode.target import TargetModel
-from decode.tree import DraftTree
-from decode.verify import verify
+from decode.targets.target import TargetModel
 
 GREEDY = SamplingConfig()
 _NO_LIMIT = 1 << 30
@@ -59,7 +59,7 @@ def verify_shape_tree(target: TargetModel, n: int, branching: int = 4) -> DraftT
 
 def verify_tree(target: TargetModel, tree: DraftTree, feature_layers: tuple[int, ...],
                 sampling: SamplingConfig = GREEDY) -> tuple[list[int], int, list[int], dict[int, torch.Tensor]]:
-    """The loop's verify half (decode.speculative): score the tree, pick the path, keep it.
+    """The loop's verify half (decode.loop.speculative): score the tree, pick the path, keep it.
 
     -> path (node ids), bonus token, path tokens, target features at the path ({layer: (m, H)}).
     """

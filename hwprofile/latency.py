@@ -1,6 +1,6 @@
 """LatencyModel: predicted cycle latency of any DraftArch from a hardware profile (measured or predicted).
 
-One speculative cycle (decode.speculative) of a NeuralDraft with a dynamic (EAGLE-2) tree:
+One speculative cycle (decode.loop.speculative) of a NeuralDraft with a dynamic (EAGLE-2) tree:
 
     level 0      one draft forward over w0 = accepted tokens (pending accepted drafts + the root):
                  feat_fc(f, w0) + draft_input(w0) + depth x draft_layer(w0) + lm_head(1 row) + scorer(1)

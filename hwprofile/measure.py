@@ -11,9 +11,9 @@ import time
 import torch
 
 from decode.benchio import command_line
-from decode.loader import load_target, pick_device, pick_dtype
 from decode.space import SearchSpace
-from decode.target import TargetModel
+from decode.targets.loader import load_target, pick_device, pick_dtype
+from decode.targets.target import TargetModel
 from hwprofile.bench_draft import measure_draft
 from hwprofile.bench_overhead import measure_overhead
 from hwprofile.bench_target import measure_target

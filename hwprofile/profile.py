@@ -23,8 +23,8 @@ from pathlib import Path
 
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.errors import UserError
-from decode.loader import pick_device
 from decode.paths import writable_file
+from decode.targets.loader import pick_device
 from hwprofile.config import ProfileConfig
 from hwprofile.device import local_device
 from hwprofile.schema import Profile, default_profile_path

@@ -25,9 +25,9 @@ from decode.benchio import command_line
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.drafts import make_draft
 from decode.errors import UserError
-from decode.loader import load_target
-from decode.speculative import speculative_generate
-from decode.vanilla import sync_device, vanilla_generate
+from decode.loop.speculative import speculative_generate
+from decode.loop.vanilla import sync_device, vanilla_generate
+from decode.targets.loader import load_target
 from hwprofile.measure import versions
 
 logger = logging.getLogger("hwprofile.trace")

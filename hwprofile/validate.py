@@ -23,7 +23,7 @@ import torch
 from decode.benchio import command_line
 from decode.cli import run_cli, setup_logging
 from decode.errors import UserError
-from decode.loader import load_target
+from decode.targets.loader import load_target
 from hwprofile.measure import load_average, versions
 from hwprofile.schema import Profile
 from hwprofile.validation import ValidateConfig, local_device_for, validate_profile

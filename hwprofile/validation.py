@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from decode.draft_model import DraftModel, TargetDims
+from decode.drafts.model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
 from decode.errors import UserError
+from decode.loop.tree import TreePolicy
 from decode.prompt import Prompt
 from decode.space import SearchSpace
-from decode.target import TargetModel
-from decode.tree import TreePolicy
+from decode.targets.target import TargetModel
 from hwprofile.cycle import GREEDY, verify_tree
 from hwprofile.device import DeviceInfo, local_device
 from hwprofile.latency import LatencyModel, tree_tokens

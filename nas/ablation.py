@@ -65,7 +65,7 @@ def heldout_tau(ckpt_dir: Path, target, heldout: Path, trees: list[TreeSpec], ma
     """Exact greedy replay tau of the checkpoint's EAGLE-like arch (its space's default) for each tree, and
     of each of `extra_archs` ({label: DraftArch}) that the checkpoint's space contains (the others are skipped)."""
     from decode.drafts.neural import NeuralDraft
-    from decode.tree import TreePolicy
+    from decode.loop.tree import TreePolicy
     from nas.acceptance import estimate_tau
     from nas.loading import load_supernet
     from nas.suggest import eagle_like
@@ -107,7 +107,7 @@ def _train_log_summary(log: Path) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from decode.benchio import environment
-    from decode.loader import load_target
+    from decode.targets.loader import load_target
     from supernet.train import TrainConfig, train
 
     train_fields = {f.name: f.default for f in fields(TrainConfig) if f.name not in ("target", "data", "out")}

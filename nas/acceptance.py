@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.capture import normalize_layer
 from decode.drafts.neural import NeuralDraft
+from decode.loop.sampling import SamplingConfig
+from decode.loop.tree import TreePolicy
 from decode.prompt import Prompt
-from decode.sampling import SamplingConfig
-from decode.target import PrefillOutput
-from decode.tree import TreePolicy
+from decode.targets.capture import normalize_layer
+from decode.targets.target import PrefillOutput
 
 logger = logging.getLogger(__name__)
 GREEDY = SamplingConfig()

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decode.arch import DraftArch
-from decode.draft_model import TargetDims
+from decode.drafts.model import TargetDims
 
 
 def draft_params(arch: DraftArch, dims: TargetDims) -> int:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from decode.arch import DraftArch
 from decode.cli import run_cli, setup_logging
-from decode.draft_model import DraftModel
+from decode.drafts.model import DraftModel
 from decode.errors import UserError
-from decode.target import TargetModel
+from decode.targets.target import TargetModel
 from supernet.elastic import DraftSupernet
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def export_draft(supernet: DraftSupernet, arch: DraftArch, target: TargetModel, 
 
 
 def export(cfg: ExportConfig) -> Path:
-    from decode.loader import load_target
+    from decode.targets.loader import load_target
     from nas.finetune import FinetuneConfig, finetune_subnet
     from nas.loading import load_supernet, read_supernet_state
     from supernet.dataset import FeatureData

@@ -8,7 +8,7 @@
 
 A stored measured profile of this machine's hardware name is used only when it was measured on the same
 kind of machine (CPU model, cores and vector extensions; GPU product): "cpu" covers CPUs whose few-row
-kernels differ by 2x (decode.small_rows), so another machine's profile is skipped and this one measured.
+kernels differ by 2x (decode.runtime.small_rows), so another machine's profile is skipped and this one measured.
 
 Every choice is logged; a profile of another target (fingerprints differ) is refused.
 """
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decode.errors import UserError
-from decode.loader import pick_device
-from decode.target import TargetModel
+from decode.targets.loader import pick_device
+from decode.targets.target import TargetModel
 from hwprofile.device import DeviceInfo, local_device, other_machine
 from hwprofile.latency import LatencyModel
 from hwprofile.schema import Profile, default_profile_path

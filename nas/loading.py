@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from decode.draft_model import TargetDims
+from decode.drafts.model import TargetDims
 from decode.errors import UserError
 from decode.space import SearchSpace
-from decode.target import TargetModel
+from decode.targets.target import TargetModel
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet

@@ -36,10 +36,10 @@ import optuna
 from safetensors import SafetensorError
 
 from decode.arch import DraftArch, max_tree_nodes
-from decode.draft_model import TargetDims
+from decode.drafts.model import TargetDims
 from decode.drafts.neural import NeuralDraft
+from decode.loop.tree import TreePolicy
 from decode.space import SearchSpace
-from decode.tree import TreePolicy
 from hwprofile.latency import LatencyModel, tree_tokens
 from nas.acceptance import estimate_tau
 from nas.cost import draft_params, extra_memory

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions so that --help and 
     import pandas as pd
 
     from decode.space import SearchSpace
-    from decode.target import TargetModel
+    from decode.targets.target import TargetModel
     from nas.hardware import ProfileChoice
     from nas.loading import HeldOut
     from supernet.elastic import DraftSupernet
@@ -138,8 +138,8 @@ class Inputs:
 
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
     """Target, supernet (from the pipeline when not given), space, held-out sequences, latency profile."""
-    from decode.loader import load_target
     from decode.space import SearchSpace
+    from decode.targets.loader import load_target
     from nas import pipeline
     from nas.hardware import check_hardware, local_hardware, resolve_profile, warn_extrapolation
     from nas.loading import check_subspace, heldout_sequences, load_supernet, read_supernet_state
@@ -324,12 +324,18 @@ def out_dir(cfg: SearchConfig, hardware: str, target_name: str) -> Path:
 def run_search(cfg: SearchConfig) -> SearchResult:
     import optuna
 
-    from decode.draft_model import TargetDims
+    from decode.drafts.model import TargetDims
     from nas.choose import to_json
     from nas.objective import ObjectiveConfig, SpeedupObjective, SupernetTau, SweepTau, TauCache
     from nas.report import finished, write_report
-    from nas.study import SetupMismatch, enqueue_small_space, enqueue_starting_archs, open_storage, open_study, \
-        sqlite_url
+    from nas.study import (
+        SetupMismatch,
+        enqueue_small_space,
+        enqueue_starting_archs,
+        open_storage,
+        open_study,
+        sqlite_url,
+    )
 
     cfg.check()
     storage = open_storage(cfg.storage) if cfg.storage is not None else None  # a bad URL fails first
@@ -429,7 +435,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decode.presets import preset_names
+    from decode.targets.presets import preset_names
 
     p = argparse.ArgumentParser(prog="python -m nas.search", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,7 +2,7 @@
 
 Why this is exact. In the greedy replay (nas/acceptance.py) the draft's state at a root position r
 depends only on r: the committed tokens before r and their *target* features (tentative tree nodes
-are dropped after each proposal). An EAGLE-2 dynamic tree (decode/tree.py `_build_dynamic`) grows
+are dropped after each proposal). An EAGLE-2 dynamic tree (decode/loop/tree.py `_build_dynamic`) grows
 level by level, expanding the top_k best nodes of each level with top_k children, and only then keeps
 the total_tokens best nodes (by cumulative log-prob, ties toward shallower and earlier nodes). So the
 tree of (depth D, top_k k, total N) at root r is: the nodes of levels <= D of the depth-D_max expansion
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from decode.arch import TreeSpec, max_tree_nodes
 from decode.drafts.neural import NeuralDraft
-from decode.tree import TreePolicy
+from decode.loop.tree import TreePolicy
 from nas.acceptance import GREEDY, Acceptance, start_replay
 
 

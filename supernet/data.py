@@ -36,10 +36,10 @@ import torch
 
 from decode.datasets import HELDOUT_PHOTOS, PromptItem, parse_prompt_spec
 from decode.errors import UserError
+from decode.loop.vanilla import vanilla_generate
 from decode.prompt import Prompt
 from decode.space import SearchSpace, default_space_name
-from decode.target import TargetModel
-from decode.vanilla import vanilla_generate
+from decode.targets.target import TargetModel
 from supernet.dataset import (
     FORMAT,
     MANIFEST,
@@ -355,8 +355,8 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
     from tqdm import tqdm
 
     from decode.benchio import environment
-    from decode.loader import load_target
     from decode.paths import writable_dir
+    from decode.targets.loader import load_target
 
     config.check()
     out = writable_dir(config.out)  # before the target loads and minutes of feature extraction

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from decode.arch import DraftArch
-from decode.capture import normalize_layer
-from decode.draft_blocks import CrossAttention, DraftLayer, SelfAttention, SwiGLU
-from decode.draft_model import DraftModel, TargetDims
+from decode.drafts.blocks import CrossAttention, DraftLayer, SelfAttention, SwiGLU
+from decode.drafts.model import DraftModel, TargetDims
 from decode.errors import UserError
-from decode.small_rows import linear
+from decode.runtime.small_rows import linear
 from decode.space import SearchSpace
+from decode.targets.capture import normalize_layer
 
 
 class _HeadSlice:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from decode.prompt import Prompt
-from decode.target import TargetModel
+from decode.targets.target import TargetModel
 
 BATCHABLE_KEYS = {"input_ids", "attention_mask"}
 
@@ -30,7 +30,7 @@ def batchable(prompt: Prompt) -> bool:
 @torch.no_grad()
 def batch_greedy(target: TargetModel, prompts: list[Prompt], max_new: list[int]) -> list[list[int]]:
     """Greedy answers of `prompts` (one left-padded batch; max_new[i] >= 1 new tokens at most for prompt i),
-    each ending at the first end token (included), as decode.vanilla.vanilla_generate returns them."""
+    each ending at the first end token (included), as decode.loop.vanilla.vanilla_generate returns them."""
     if not prompts:
         return []
     if not all(batchable(p) for p in prompts):

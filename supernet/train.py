@@ -11,7 +11,7 @@ top-k + --negatives frequent tokens, with --full-positions positions per sequenc
 the whole vocabulary; --loss full: the whole vocabulary, --max-positions per sequence) + smooth-L1
 regression of the target's final feature (+ the entropy-layer feature where used), over a
 multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
---init-from-target starts the draft layers from the target's last decoder layer (decode/draft_init.py);
+--init-from-target starts the draft layers from the target's last decoder layer (decode/drafts/from_target.py);
 --time-budget-s stops after that much training time (the LR schedule then follows time). AdamW,
 linear warm-up then cosine decay, gradient clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
 exactly: the subnets and sequences of step s derive from (seed, s)), a CSV log, tqdm.
@@ -36,12 +36,12 @@ from tqdm import tqdm
 
 from configs import config_dir
 from decode.cli import add_target_args, run_cli, setup_logging
-from decode.draft_init import init_from_target
-from decode.draft_model import TargetDims
+from decode.drafts.from_target import init_from_target
+from decode.drafts.model import TargetDims
 from decode.errors import UserError
-from decode.loader import load_target
 from decode.paths import writable_dir
 from decode.space import SearchSpace, default_space_name
+from decode.targets.loader import load_target
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
@@ -74,7 +74,7 @@ class TrainConfig:
     loss: str = "topk"  # topk: distil over the target's stored top-k + `negatives` frequent tokens | full: whole vocab
     negatives: int = 1024  # topk loss: the most frequent answer tokens every position also scores (0 = none)
     full_positions: int = 32  # topk loss: positions per sequence and unroll step also scored over the whole vocabulary
-    init_from_target: bool = False  # draft layers start as the target's last decoder layer (decode/draft_init.py)
+    init_from_target: bool = False  # draft layers start as the target's last decoder layer (decode/drafts/from_target.py)
     init_fusion: bool = False  # with init_from_target: identity feat_fc and in_fc = [I, I]
     schedule: str = "sandwich"  # sandwich from step 0 | progressive: largest, then elastic depth, then everything
     threads: int = 0  # torch intra-op threads (0 = torch's default)

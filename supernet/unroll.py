@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from decode.arch import DraftArch
-from decode.capture import normalize_layer
+from decode.targets.capture import normalize_layer
 from supernet.elastic import DraftSupernet
 
 

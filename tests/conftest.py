@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decode.images import bundled_photo
-from decode.loader import load_target
+from decode.targets.loader import load_target
 
 TEXT_PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-gemma3-text")
 VLM_PRESETS = ("tiny-llava", "tiny-llava-next", "tiny-smolvlm", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-mistral3",

@@ -6,18 +6,18 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_prompt, tiny_target
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_prompt, tiny_target
 from decode.arch import DraftArch
-from decode.draft_model import WEIGHTS_NAME, DraftModel, TargetDims
 from decode.drafts import NeuralDraft, make_draft, random_arch
+from decode.drafts.model import WEIGHTS_NAME, DraftModel, TargetDims
 from decode.errors import UserError
-from decode.loader import load_target
-from decode.sampling import SamplingConfig
-from decode.speculative import speculative_generate
-from decode.tree import TreePolicy
-from decode.vanilla import vanilla_generate
+from decode.loop.sampling import SamplingConfig
+from decode.loop.speculative import speculative_generate
+from decode.loop.tree import TreePolicy
+from decode.loop.vanilla import vanilla_generate
+from decode.targets.loader import load_target
 
 
 def test_arch_json_round_trip_and_validation():

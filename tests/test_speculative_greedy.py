@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_prompt, tiny_target
+
 from decode.arch import TreeSpec
-from decode.draft_model import DraftModel, TargetDims
 from decode.drafts import LayerSkipDraft, NeuralDraft, PromptLookupDraft, make_draft, random_arch
-from decode.speculative import speculative_generate
-from decode.tree import TreePolicy
-from decode.vanilla import vanilla_generate
+from decode.drafts.model import DraftModel, TargetDims
+from decode.loop.speculative import speculative_generate
+from decode.loop.tree import TreePolicy
+from decode.loop.vanilla import vanilla_generate
 
 FAMILIES = ("tiny-llama", "tiny-gemma3-text", "tiny-llava", "tiny-qwen2.5-vl")
 PROMPTS = ("Tell me a story about a cat and a dog. The cat and the dog", "List three colours:")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_prompt, tiny_target
-from decode import speculative as spec_mod
+from stats import chi2_critical, chi2_statistic
+
 from decode.arch import TreeSpec
 from decode.drafts import LayerSkipDraft, PromptLookupDraft
-from decode.sampling import SamplingConfig, probs_from_logits
-from decode.speculative import speculative_generate
-from decode.tree import DraftTree, TreePolicy
-from decode.verify import verify_sampling
-from stats import chi2_critical, chi2_statistic
+from decode.loop import speculative as spec_mod
+from decode.loop.sampling import SamplingConfig, probs_from_logits
+from decode.loop.speculative import speculative_generate
+from decode.loop.tree import DraftTree, TreePolicy
+from decode.loop.verify import verify_sampling
 
 CFG = SamplingConfig(temperature=1.0)
 

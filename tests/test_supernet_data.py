@@ -10,15 +10,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import ALL_PRESETS, single_thread, tiny_target
 from safetensors.torch import load_file
 
 import supernet.data as data_mod
-from conftest import ALL_PRESETS, single_thread, tiny_target
 from decode.cli import run_cli
 from decode.datasets import PromptItem, image_prompts
 from decode.errors import UserError
-from decode.loader import load_target
-from decode.vanilla import vanilla_generate
+from decode.loop.vanilla import vanilla_generate
+from decode.targets.loader import load_target
 from supernet.data import DataConfig, build_data, build_sequence, features_on_the_fly
 from supernet.dataset import FeatureData, read_manifest
 from supernet.entropy import calibrate, candidate_layers, choose_layer, per_token_layers

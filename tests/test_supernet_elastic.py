@@ -9,12 +9,12 @@ import torch
 import yaml
 from conftest import tiny_prompt, tiny_target
 
-from decode.draft_model import TargetDims
 from decode.drafts import NeuralDraft
+from decode.drafts.model import TargetDims
 from decode.errors import UserError
+from decode.loop.speculative import speculative_generate
+from decode.loop.vanilla import vanilla_generate
 from decode.space import SearchSpace
-from decode.speculative import speculative_generate
-from decode.vanilla import vanilla_generate
 from supernet.elastic import DraftSupernet
 
 ENTROPY = 1

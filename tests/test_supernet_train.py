@@ -13,7 +13,7 @@ import torch
 from conftest import single_thread, tiny_target
 from safetensors.torch import load_file
 
-from decode.draft_model import TargetDims
+from decode.drafts.model import TargetDims
 from decode.errors import UserError
 from decode.space import SearchSpace
 from supernet import checkpoint as ckpt

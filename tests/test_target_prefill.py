@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-
 from conftest import ALL_PRESETS, VLM_PRESETS, tiny_prompt, tiny_target
-from decode.capture import normalize_layer
+
+from decode.targets.capture import normalize_layer
 
 
 @pytest.mark.parametrize("name", ALL_PRESETS)
@@ -74,7 +74,7 @@ def test_fingerprint_identity():
 
 
 def test_fingerprint_survives_save_and_dtype(tmp_path):
-    from decode.loader import load_target
+    from decode.targets.loader import load_target
 
     target = tiny_target("tiny-smolvlm")
     target.model.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""decode.tiny: every tiny random family builds, templates, tokenizes, runs forward and generate."""
+"""decode.targets.tiny: every tiny random family builds, templates, tokenizes, runs forward and generate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import skimage.data
 import torch
 
 from decode.errors import UserError
-from decode.tiny import TINY_PRESETS, build_tiny
+from decode.targets.tiny import TINY_PRESETS, build_tiny
 
 TEXT_FAMILIES = ("llama", "qwen2", "gemma3_text")
 # family -> image tokens (model.config.image_token_id) for one square image (the astronaut)

@@ -12,11 +12,11 @@ from conftest import single_thread, tiny_target
 import supernet.data as data_mod
 from decode.arch import DraftArch
 from decode.datasets import PromptItem
-from decode.draft_init import expand_kv_rows, init_from_target, source_layer
-from decode.draft_model import DraftModel, TargetDims
+from decode.drafts.from_target import expand_kv_rows, init_from_target, source_layer
+from decode.drafts.model import DraftModel, TargetDims
 from decode.errors import UserError
+from decode.loop.vanilla import vanilla_generate
 from decode.space import SearchSpace
-from decode.vanilla import vanilla_generate
 from supernet.data import DataConfig, build_sequence
 from supernet.elastic import DraftSupernet
 from supernet.regen import batch_greedy

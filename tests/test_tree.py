@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import tiny_prompt, tiny_target
+
 from decode.arch import TreeSpec
 from decode.errors import UserError
-from decode.tree import DraftTree, TreePolicy, build_tree
-from decode.tree_mask import ancestor_mask, depths_from_mask, tree_attention_allowed
+from decode.loop.tree import DraftTree, TreePolicy, build_tree
+from decode.loop.tree_mask import ancestor_mask, depths_from_mask, tree_attention_allowed
 
 
 def random_parents(n: int, seed: int) -> torch.Tensor:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ALL_PRESETS, VLM_PRESETS, tiny_prompt, tiny_target
 from stats import chi2_critical, chi2_statistic
-from decode.sampling import SamplingConfig, probs_from_logits
-from decode.vanilla import vanilla_generate
+
+from decode.loop.sampling import SamplingConfig, probs_from_logits
+from decode.loop.vanilla import vanilla_generate
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:

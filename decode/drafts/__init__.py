@@ -14,11 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from decode.arch import FUSIONS, DraftArch
-from decode.draft_model import DraftModel, TargetDims
 from decode.drafts.base import Draft
 from decode.drafts.kinds import load_draft_dir
 from decode.drafts.layerskip import LayerSkipDraft
 from decode.drafts.merged import MergedDraft
+from decode.drafts.model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
 from decode.drafts.none import NoDraft
 from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft

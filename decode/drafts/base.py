@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode.arch import TreeSpec
-from decode.sampling import SamplingConfig, probs_from_logits
-from decode.tree import DraftTree, TreePolicy, build_tree
+from decode.loop.sampling import SamplingConfig, probs_from_logits
+from decode.loop.tree import DraftTree, TreePolicy, build_tree
 
 if TYPE_CHECKING:
     from decode.prompt import Prompt
-    from decode.target import PrefillOutput, TargetModel
+    from decode.targets.target import PrefillOutput, TargetModel
 
 
 class Draft(ABC):

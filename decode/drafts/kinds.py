@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decode.draft_model import CONFIG_NAME, DraftModel
 from decode.drafts.base import Draft
 from decode.drafts.merged import MergedDraft
+from decode.drafts.model import CONFIG_NAME, DraftModel
 from decode.drafts.neural import NeuralDraft
 from decode.drafts.none import NoDraft
 from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft

@@ -4,13 +4,13 @@ The two sources are complementary: lookup is right on copied spans (code, quotes
 from the prompt), the neural draft on new text. Each cycle the neural draft builds its tree (its
 own TreeSpec, from the policy) and lookup its trie (its own LookupSpec: n-gram sizes, branch
 length, branches, node cap); the lookup trie is grafted onto the neural tree with shared prefixes
-merged (decode.tree.graft). The merged tree therefore contains both trees whole: greedy
+merged (decode.loop.tree.graft). The merged tree therefore contains both trees whole: greedy
 verification accepts exactly the longer of the two accepted paths (what nas.treesweep replays),
 and the verify forward holds |neural| + |lookup| - |shared| + 1 tokens; cycles where lookup finds
 no match cost what the neural draft alone costs.
 
 Lossless under greedy and sampling: every node is a deterministic candidate (point-mass rule in
-decode.verify); sampled neural candidates are refused (their q rule needs all siblings drawn from q).
+decode.loop.verify); sampled neural candidates are refused (their q rule needs all siblings drawn from q).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 from decode.drafts.base import Draft
 from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
 from decode.errors import UserError
-from decode.tree import DraftTree, graft
-
+from decode.loop.tree import DraftTree, graft
 
 RULES = ("union", "switch")
 

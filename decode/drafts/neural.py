@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from decode.draft_model import DraftModel
 from decode.drafts.base import ModelDraft, TentativeSlots
+from decode.drafts.model import DraftModel
 
 
 class NeuralDraft(ModelDraft):

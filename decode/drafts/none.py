@@ -7,7 +7,7 @@ that hardware, and says so rather than exporting a draft that slows decoding dow
 from __future__ import annotations
 
 from decode.drafts.base import Draft
-from decode.tree import DraftTree, root_only
+from decode.loop.tree import DraftTree, root_only
 
 
 class NoDraft(Draft):

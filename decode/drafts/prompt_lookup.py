@@ -21,7 +21,7 @@ import torch
 from decode.arch import TreeSpec
 from decode.drafts.base import Draft
 from decode.errors import UserError
-from decode.tree import DraftTree
+from decode.loop.tree import DraftTree
 
 
 @dataclass(frozen=True)

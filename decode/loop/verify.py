@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from decode.sampling import SamplingConfig, probs_from_logits
-from decode.tree import DraftTree
+from decode.loop.sampling import SamplingConfig, probs_from_logits
+from decode.loop.tree import DraftTree
 
 
 def _children_lists(tree: DraftTree) -> list[list[int]]:

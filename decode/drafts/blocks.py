@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode.small_rows import linear
+from decode.runtime.small_rows import linear
 
 
 class RMSNorm(nn.Module):

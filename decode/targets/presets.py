@@ -1,7 +1,7 @@
 """Target presets: configs/targets/<name>.yaml, each naming where a target comes from.
 
-    source: embedded   -> one of the default targets prepared into the cache (decode.embedded)
-    source: tiny       -> a tiny random model of `family` (decode.tiny), `seed` optional
+    source: embedded   -> one of the default targets prepared into the cache (decode.targets.embedded)
+    source: tiny       -> a tiny random model of `family` (decode.targets.tiny), `seed` optional
     source: path       -> a local HF model directory at `path` (~ and $VARS expanded)
 """
 

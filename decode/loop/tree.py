@@ -18,7 +18,7 @@ import torch
 
 from decode.arch import TreeSpec
 from decode.errors import UserError
-from decode.tree_mask import ancestor_mask, depths_from_mask
+from decode.loop.tree_mask import ancestor_mask, depths_from_mask
 
 
 @dataclass

@@ -13,7 +13,7 @@ of that shape takes the faster one; W @ x^T must win by 10% to be taken.
 
 Only CPU float32 inference calls with 2..SMALL_ROWS rows are candidates; one row (MKL's GEMV), prefill,
 training (autograd) and other devices or dtypes always run F.linear. The draft blocks call `linear`;
-`use_small_rows(model)` routes every nn.Linear of a target through it (decode.loader does so for every
+`use_small_rows(model)` routes every nn.Linear of a target through it (decode.targets.loader does so for every
 target). Vanilla and speculative decoding run the same layers, so speed-ups stay like-for-like; outputs
 stay token-identical (tested), values within 1e-5 of F.linear.
 

@@ -1,4 +1,4 @@
-"""In-memory byte-level tokenizer and chat templates for the tiny random models in `decode.tiny`.
+"""In-memory byte-level tokenizer and chat templates for the tiny random models in `decode.targets.tiny`.
 
 `build_tokenizer` makes a `PreTrainedTokenizerFast` without any file or hub access: a byte-level BPE
 whose base vocabulary is the 256 byte symbols (so every string round-trips), a handful of merges so

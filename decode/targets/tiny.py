@@ -27,7 +27,7 @@ import torch
 import transformers as tf
 
 from decode.errors import UserError
-from decode.tiny_tokenizer import build_tokenizer, chat_template
+from decode.targets.tiny_tokenizer import build_tokenizer, chat_template
 
 TINY_PRESETS: dict[str, str] = {
     "tiny-llama": "llama",

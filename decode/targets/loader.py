@@ -9,10 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from decode.errors import UserError
-from decode.families import family_spec
-from decode.presets import is_preset, load_preset, resolve_dir
-from decode.small_rows import use_small_rows
-from decode.target import TargetModel
+from decode.runtime.small_rows import use_small_rows
+from decode.targets.families import family_spec
+from decode.targets.presets import is_preset, load_preset, resolve_dir
+from decode.targets.target import TargetModel
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def load_target(
     if is_preset(target):
         preset = load_preset(target)
         if preset.source == "tiny":
-            from decode.tiny import build_tiny
+            from decode.targets.tiny import build_tiny
 
             model, processor = build_tiny(preset.family or "", seed=preset.seed)
             model.set_attn_implementation(attn_implementation)
@@ -65,7 +65,7 @@ def load_target(
             spec = family_spec(cfg.model_type, hasattr(cfg, "vision_config"))
             return TargetModel(model, processor, spec, preset.name)
         if preset.source == "embedded":
-            from decode.embedded import prepare
+            from decode.targets.embedded import prepare
 
             path = prepare(preset.name, cache_dir)
         else:
@@ -89,5 +89,5 @@ def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype, a
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load the model in '{path}': {str(err).splitlines()[0]}") from None
     model = model.to(device)
-    use_small_rows(model)  # faster few-row linears on a CPU (decode.small_rows); vanilla and speculative alike
+    use_small_rows(model)  # faster few-row linears on a CPU (decode.runtime.small_rows); vanilla and speculative alike
     return TargetModel(model, processor, spec, name)

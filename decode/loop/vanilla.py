@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from decode.errors import UserError
+from decode.loop.sampling import SamplingConfig, make_generator, sample_token
 from decode.prompt import Prompt
-from decode.sampling import SamplingConfig, make_generator, sample_token
-from decode.target import TargetModel
+from decode.targets.target import TargetModel
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Each cycle: the draft proposes a tree rooted at the last emitted token, the target scores the
 whole tree in one forward, `verify` picks the accepted path and a bonus token (lossless: see
-decode/verify.py), the target keeps that path in its cache, and the draft is told the outcome.
+decode/loop/verify.py), the target keeps that path in its cache, and the draft is told the outcome.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from decode.drafts.base import Draft
+from decode.loop.sampling import SamplingConfig, make_generator, sample_token
+from decode.loop.tree import TreePolicy
+from decode.loop.vanilla import GenerationResult, check_max_new_tokens, sync_device
+from decode.loop.verify import verify
 from decode.prompt import Prompt
-from decode.sampling import SamplingConfig, make_generator, sample_token
-from decode.target import TargetModel
-from decode.tree import TreePolicy
-from decode.vanilla import GenerationResult, sync_device, check_max_new_tokens
-from decode.verify import verify
+from decode.targets.target import TargetModel
 
 
 @dataclass

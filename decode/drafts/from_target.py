@@ -34,8 +34,8 @@ import logging
 import torch
 from torch import nn
 
-from decode.capture import normalize_layer
 from decode.errors import UserError
+from decode.targets.capture import normalize_layer
 
 logger = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ _CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_VLM_README = """# smolvlm-135m (prepared by decode.embedded)
+_VLM_README = """# smolvlm-135m (prepared by decode.targets.embedded)
 
 An Idefics3 (SmolVLM-style) model for testing speculative decoding on a vision-language target.
 
@@ -263,8 +263,14 @@ def _build_smollm2(cache: pathlib.Path, out: pathlib.Path) -> dict:
 # ---------------------------------------------------------------------------------------- smolvlm
 def _build_smolvlm(lm_dir: pathlib.Path, out: pathlib.Path) -> dict:
     import torch
-    from transformers import (AutoTokenizer, GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration,
-                              Idefics3Processor, LlamaForCausalLM)
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaForCausalLM,
+    )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     with _stage("build Idefics3 shell (real SmolLM2 LM + seeded untrained vision tower)"):

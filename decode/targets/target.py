@@ -28,10 +28,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from decode.capture import capture_hidden
-from decode.families import FamilySpec
+from decode.loop.tree_mask import additive_mask, ancestor_mask, depths_from_mask, tree_attention_allowed
 from decode.prompt import Prompt, build_prompt
-from decode.tree_mask import additive_mask, ancestor_mask, depths_from_mask, tree_attention_allowed
+from decode.targets.capture import capture_hidden
+from decode.targets.families import FamilySpec
 
 logger = logging.getLogger(__name__)
 

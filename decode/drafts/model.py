@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-import torch.nn.functional as F
 from torch import nn
 
 from decode.arch import DraftArch
-from decode.draft_blocks import DraftKV, DraftLayer, RMSNorm
+from decode.drafts.blocks import DraftKV, DraftLayer, RMSNorm
 from decode.errors import UserError
-from decode.small_rows import linear
+from decode.runtime.small_rows import linear
 
 if TYPE_CHECKING:
-    from decode.target import TargetModel
+    from decode.targets.target import TargetModel
 
 logger = logging.getLogger(__name__)
 
