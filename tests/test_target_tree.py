@@ -57,11 +57,17 @@ def test_tree_equals_paths_and_keep_equals_scratch(name):
     target.forward_tree(tokens, PARENTS)
     target.keep(path)
     assert target.seq_len == prompt.length + len(path)
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
     after = [target.step(t).logits[0] for t in extra]
 
     target.prefill(prompt)
     for t in tokens[path].tolist():
         target.step(t)
+    # the committed cache after keep (tentative rows moved in place) is the cache of decoding the path
+    for (keys, values), layer in zip(kept, target.cache.layers, strict=True):
+        assert keys.shape == layer.keys.shape and values.shape == layer.values.shape
+        torch.testing.assert_close(keys, layer.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(values, layer.values, atol=1e-4, rtol=0)
     scratch = [target.step(t).logits[0] for t in extra]
     for a, b in zip(after, scratch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
