@@ -106,7 +106,10 @@ def _methods(config: BenchConfig, target) -> list[Method]:
             continue
         draft = make_draft(spec, target, seed=config.seed or 0)
         taken = {m.name for m in methods}
-        name = draft.name if draft.name not in taken else spec  # e.g. two checkpoint folders both named draft
+        # a spec with settings (prompt-lookup:2:2, layerskip:12) names its row; a checkpoint folder is named
+        # by its draft ("draft:prompt-lookup"), or by its path when two folders share a name
+        name = spec if ":" in spec and not Path(spec).exists() else draft.name
+        name = name if name not in taken else spec
         if name in taken:  # the same spec twice
             name = f"{spec}#{len(methods)}"
         methods.append(Method(name, draft, make_policy(draft, config.tree, config.tree_overrides, config.candidates)))

@@ -20,7 +20,7 @@ from dataclasses import replace
 import pandas as pd
 
 from decode.arch import DraftArch
-from nas.kinds import LOOKUP_GRID, KindScorer
+from nas.kinds import LOOKUP_ALONE_GRID, LOOKUP_GRID, KindScorer
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,13 @@ def distinct_archs(done: pd.DataFrame, top: int) -> list[DraftArch]:
 
 
 def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals, eagle: DraftArch | None,
-               top: int = 3, grid=LOOKUP_GRID, tuned_sweep_of=None) -> list[dict]:
+               top: int = 3, grid=LOOKUP_GRID, tuned_sweep_of=None, lookup_grid=LOOKUP_ALONE_GRID) -> list[dict]:
     """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k.
 
     tuned_sweep_of: sweeps of the best subnet after fine-tuning it alone (nas.finetune, on a copy of the
-    supernet); adds its rows, alone and merged with lookup, marked "tuned"."""
-    rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(grid), "label": "prompt lookup"}]
+    supernet); adds its rows, alone and merged with lookup, marked "tuned". grid: the lookups merged with
+    neural trees; lookup_grid: the lookups tried alone."""
+    rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(lookup_grid), "label": "prompt lookup"}]
     best = distinct_archs(done, top)
     if eagle is not None:
         match = [DraftArch.from_json(a) for a in done["arch"]
@@ -80,7 +81,8 @@ def describe(row: dict) -> str:
     if row.get("lookup"):
         s = row["lookup"]
         rule = f" ({row['merge']})" if row.get("merge") else ""
-        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}{rule}")
+        weak = f" weak {s['weak_depth']}" if s.get("weak_depth") else ""
+        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}{weak}{rule}")
     return " + ".join(parts) or "-"
 
 

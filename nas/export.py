@@ -51,12 +51,12 @@ class ExportConfig:
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: str | None = None
-    lookup: str | None = None  # "D:M:K": merge prompt lookup into the draft (kind neural+lookup)
+    lookup: str | None = None  # "D:M:K[:W]": merge prompt lookup into the draft (kind neural+lookup)
     merge: str = "union"  # union | switch (decode/drafts/merged.py)
 
 
 def lookup_extra(text: str | None, merge: str) -> dict:
-    """--lookup D:M:K / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind neural)."""
+    """--lookup D:M:K[:W] / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind neural)."""
     from decode.drafts.merged import RULES
     from decode.drafts.prompt_lookup import LookupSpec
 
@@ -65,11 +65,14 @@ def lookup_extra(text: str | None, merge: str) -> dict:
     if merge not in RULES:
         raise UserError(f"--merge must be one of {', '.join(RULES)}, got {merge!r}")
     try:
-        d, m, k = (int(v) for v in text.split(":"))
-        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k)
+        vals = [int(v) for v in text.split(":")]
+        if len(vals) not in (3, 4):
+            raise ValueError(text)
+        d, m, k, w = (*vals, 0) if len(vals) == 3 else vals
+        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w)
     except (ValueError, UserError):
-        raise UserError(f"--lookup must be D:M:K (branch length, max n-gram, branches; integers >= 1), "
-                        f"got {text!r}") from None
+        raise UserError(f"--lookup must be D:M:K[:W] (branch length, max n-gram, branches, integers >= 1; W: branch "
+                        f"length after a match shorter than M, 0 <= W <= D), got {text!r}") from None
     return {"kind": "neural+lookup", "lookup": asdict(spec), "merge": merge}
 
 
@@ -199,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="fine-tuning data (default: the supernet's training data)")
     p.add_argument("--heldout", type=int, default=None,
                    help="last training sequences kept out of fine-tuning (default: the study's / supernet's)")
-    p.add_argument("--lookup", default=None, metavar="D:M:K",
+    p.add_argument("--lookup", default=None, metavar="D:M:K[:W]",
                    help="merge prompt lookup into the draft (kind neural+lookup): branch length D, n-grams up to M, "
-                        "K branches, e.g. 4:2:1")
+                        "K branches, W tokens only after a match shorter than M (default: D), e.g. 4:2:1 or 8:3:1:2")
     p.add_argument("--merge", default="union", help="with --lookup: union (both trees) or switch (lookup when it "
                                                     "matched, else the neural tree); default: union")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")

@@ -89,7 +89,7 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
                 differs = other_machine(DeviceInfo.from_dict(prof.device), local_device(pick_device(device)))
                 if differs:  # e.g. a "cpu" profile from another CPU: its verify/step ratios are not this one's
                     logger.warning("hardware %s: the stored profile %s was measured on another machine (%s); "
-                                   "not using it", hardware, path, differs)
+                                   "not using it", hardware, path, differs)  # then measured (below)
                     continue
             logger.info("hardware %s: using the stored %s profile %s", hardware,
                            "predicted" if prof.predicted else "measured", path)
@@ -99,7 +99,7 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
 
     path = default_profile_path(hardware, target.name, write_dir)
     predict = hardware != local
-    logger.warning("hardware %s: no stored profile of %s; %s one -> %s", hardware, target.name,
+    logger.warning("hardware %s: no stored profile of %s usable here; %s one -> %s", hardware, target.name,
                    f"predicting (roofline, calibrated on this {local})" if predict else "measuring", path)
     cfg = ProfileConfig(hardware=hardware, target=target.name, device=device, space=space, out=str(path),
                         predict=predict, quick=quick, cache_dir=cache_dir)

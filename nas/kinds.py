@@ -37,6 +37,11 @@ from nas.treesweep import Expansion, TreeSweep
 # n-gram sizes x branch length x branches; total_tokens = length x branches (a full trie)
 LOOKUP_GRID = tuple(LookupSpec(max_ngram=n, tree_depth=d, top_k=k, total_tokens=d * k)
                     for n in (2, 3) for d in (2, 4, 8) for k in (1, 2))
+# lookup alone also tries long branches after full-size matches only (weak_depth after shorter ones); the
+# merged grid stays the one above, since each of its points is replayed for every neural tree
+LOOKUP_ALONE_GRID = LOOKUP_GRID + tuple(
+    LookupSpec(max_ngram=n, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w)
+    for n in (2, 3) for d in (4, 8) for k in (1, 2) for w in (1, 2))
 
 
 @dataclass
@@ -74,7 +79,8 @@ def lookup_roots(seq: dict, spec: LookupSpec) -> list[RootTrie]:
     index.extend(ids[:p])
     out = []
     for r in range(p, len(ids) - 1):
-        tree = trie(ids[r], index.continuations(ids[r], spec.tree_depth, spec.top_k), spec.total_tokens)
+        conts = index.continuations(ids[r], spec.tree_depth, spec.top_k, spec.weak_depth)
+        tree = trie(ids[r], conts, spec.total_tokens)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         node, d = 0, 0
         while r + d + 1 < len(cont):
@@ -246,7 +252,7 @@ class KindScorer:
                 "cycle_ms": round(self.latency.target_step_ms(self.context), 3), "verify_tokens": 1.0, "cycles": 0,
                 "arch": None, "lookup": None}
 
-    def best_lookup(self, grid=LOOKUP_GRID) -> dict:
+    def best_lookup(self, grid=LOOKUP_ALONE_GRID) -> dict:
         return max((self.lookup(s) for s in grid), key=lambda row: row["speedup"])
 
     def best_merged(self, arch: DraftArch, sweep: TreeSweep, depths, totals, grid=LOOKUP_GRID) -> dict:

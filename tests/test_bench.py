@@ -133,8 +133,9 @@ def test_every_method_gets_its_own_row_name(tmp_path):
     for run in ("a", "b"):
         save_training_free(tmp_path / run / "draft", "prompt-lookup", target, LookupSpec(max_ngram=2, tree_depth=2,
                                                                                           top_k=1, total_tokens=2))
-    cfg = BenchConfig(target="tiny-llama", drafts=(str(tmp_path / "a" / "draft"), "prompt-lookup",
-                                                   str(tmp_path / "b" / "draft"), "prompt-lookup"))
+    cfg = BenchConfig(target="tiny-llama", drafts=(str(tmp_path / "a" / "draft"), "prompt-lookup:2:2",
+                                                   "prompt-lookup", str(tmp_path / "b" / "draft"), "prompt-lookup",
+                                                   "layerskip:1"))
     names = [m.name for m in bench._methods(cfg, target)]
-    assert names == ["vanilla", "draft:prompt-lookup", "prompt-lookup", str(tmp_path / "b" / "draft"),
-                     "prompt-lookup#4"]
+    assert names == ["vanilla", "draft:prompt-lookup", "prompt-lookup:2:2", "prompt-lookup",
+                     str(tmp_path / "b" / "draft"), "prompt-lookup#5", "layerskip:1"]

@@ -52,6 +52,17 @@ def test_lookup_prefers_the_match_whose_continuation_is_full_length():
     assert NgramIndex(1, 2).continuations(5, 3, 1) == []
 
 
+def test_weak_matches_get_the_short_branch():
+    idx = NgramIndex(1, 3)
+    idx.extend([1, 2, 3, 4, 5, 6, 7, 9, 9, 1, 2])
+    assert idx.continuations(3, 4, 1, weak_depth=2) == [[4, 5, 6, 7]]  # (1, 2, 3): a full-size match, long
+    assert idx.continuations(5, 4, 1, weak_depth=2) == [[6, 7]]  # only (5,) matches: short
+    assert idx.continuations(5, 4, 1) == [[6, 7, 9, 9]]  # weak_depth 0: the long branch for every match
+    assert idx.continuations(5, 1, 1, weak_depth=2) == [[6]]  # never longer than the depth asked for
+    with pytest.raises(UserError, match="weak_depth"):
+        LookupSpec(tree_depth=2, total_tokens=2, weak_depth=3)
+
+
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-llava", "tiny-qwen2.5-vl"])
 @pytest.mark.parametrize("fusion", ["concat", "cross", "hybrid"])
 def test_merged_drafts_are_lossless_greedy(family, fusion):
@@ -150,7 +161,10 @@ def test_prompt_lookup_spec_strings():
     d = make_draft("prompt-lookup:10:2", target)
     assert d.spec == LookupSpec(max_ngram=2, tree_depth=10, top_k=1, total_tokens=10)
     assert make_draft("prompt-lookup:4:3:2", target).spec.total_tokens == 8
-    for bad in ("prompt-lookup:x", "prompt-lookup:0", "prompt-lookup:4:0", "prompt-lookup:1:2:3:4"):
+    assert make_draft("prompt-lookup:8:3:1:2", target).spec == LookupSpec(max_ngram=3, tree_depth=8, top_k=1,
+                                                                          total_tokens=8, weak_depth=2)
+    for bad in ("prompt-lookup:x", "prompt-lookup:0", "prompt-lookup:4:0", "prompt-lookup:1:2:3:4",
+                "prompt-lookup:2:2:1:3", "prompt-lookup:8:3:1:2:1"):
         with pytest.raises(UserError, match="prompt-lookup:D"):
             make_draft(bad, target)
 

@@ -141,7 +141,8 @@ def test_lookup_and_merged_replays_equal_real_decoding(trained):
     sub = model.extract(arch, target)
     lookup_hits = 0
     for spec in (LookupSpec(max_ngram=2, tree_depth=3, top_k=1, total_tokens=3),
-                 LookupSpec(max_ngram=3, tree_depth=4, top_k=2, total_tokens=6)):
+                 LookupSpec(max_ngram=3, tree_depth=4, top_k=2, total_tokens=6),
+                 LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, weak_depth=1)):
         for merged in (False, "union", "switch"):
             rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
             cycles, hist, sizes = 0, Counter(), Counter()

@@ -214,12 +214,13 @@ def test_export_cli_trial_and_arch(assets, tmp_path):
                         "--device", "cpu"]) == 0  # over an existing export: replaced whole (written beside, moved)
     assert json.loads((tmp_path / "m" / "draft_config.json").read_text())["kind"] == "neural"
     assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "m"),
-                        "--device", "cpu", "--lookup", "4:2:1", "--merge", "switch"]) == 0
+                        "--device", "cpu", "--lookup", "4:2:1:2", "--merge", "switch"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary leftovers
     merged = make_draft(str(tmp_path / "m"), target)
     assert merged.rule == "switch" and merged.lookup.spec.tree_depth == 4 and merged.lookup.spec.max_ngram == 2
+    assert merged.lookup.spec.weak_depth == 2  # D:M:K:W, kept through the checkpoint
     assert speculative_generate(target, merged, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
-    for bad in (["--lookup", "4:2"], ["--lookup", "4:2:1", "--merge", "mix"]):
+    for bad in (["--lookup", "4:2"], ["--lookup", "4:2:1:5"], ["--lookup", "4:2:1", "--merge", "mix"]):
         with pytest.raises(UserError):
             export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "x"),
                          "--device", "cpu", *bad])

@@ -3,8 +3,8 @@
     DIR             a draft checkpoint of any kind (decode/drafts/kinds.py: neural, neural+lookup,
                     prompt-lookup, none)
     DIR+lookup      a neural checkpoint whose trees are merged with prompt-lookup continuations
-    prompt-lookup   n-gram lookup in the prompt and output so far (prompt-lookup:D[:M[:K]]: branch length D,
-                    n-grams up to M, K branches; default 8:3:1)
+    prompt-lookup   n-gram lookup in the prompt and output so far (prompt-lookup:D[:M[:K[:W]]]: branch length
+                    D, n-grams up to M, K branches, W after a match shorter than M; default 8:3:1:0)
     layerskip:K     the target's first K layers + final norm + LM head
     random:FUSION   a randomly initialised neural draft (concat|cross|hybrid), for tests and demos
 """
@@ -51,16 +51,18 @@ def make_draft(spec: str, target, seed: int = 0) -> Draft:
         return MergedDraft(base)
     if spec == "prompt-lookup":
         return PromptLookupDraft()
-    if spec.startswith("prompt-lookup:"):  # prompt-lookup:D[:M[:K]] branch length, max n-gram, branches
-        try:
+    if spec.startswith("prompt-lookup:"):  # prompt-lookup:D[:M[:K[:W]]] branch length, max n-gram, branches,
+        try:                                # branch length after a shorter match
             vals = [int(v) for v in spec.split(":")[1:]]
-            if len(vals) > 3:
+            if len(vals) > 4:
                 raise ValueError(spec)
-            d, m, k = vals[0], (vals[1:2] or [3])[0], (vals[2:3] or [1])[0]
-            return PromptLookupDraft(spec=LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k))
+            d, m, k, w = vals[0], (vals[1:2] or [3])[0], (vals[2:3] or [1])[0], (vals[3:4] or [0])[0]
+            return PromptLookupDraft(spec=LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k,
+                                                     weak_depth=w))
         except (ValueError, UserError):
-            raise UserError(f"bad draft '{spec}': use prompt-lookup:D[:M[:K]] (branch length D, n-grams up to M, "
-                            "K branches; integers >= 1)") from None
+            raise UserError(f"bad draft '{spec}': use prompt-lookup:D[:M[:K[:W]]] (branch length D, n-grams up to M, "
+                            "K branches, integers >= 1; W: branch length after a match shorter than M, "
+                            "0 <= W <= D)") from None
     if spec.startswith("layerskip:"):
         try:
             k = int(spec.split(":", 1)[1])

@@ -10,6 +10,11 @@ as long as any other found for that n (a match right before the end of the histo
 one- or two-token continuation; an older match of the same n-gram usually continues further), so
 a long copied span is proposed whole. The history is indexed once per generation (n-gram ->
 positions), so a proposal costs O(matches), not O(history).
+
+How far: tree_depth tokens after a match of the longest n-gram size (max_ngram), and weak_depth tokens
+(when set) after a shorter one. A one- or two-token match is often a coincidence (a common word), and
+every proposed token costs verification; a full-size match is usually a copied span worth proposing far.
+The branch length still depends on the history only, so the search's per-root replay stays exact.
 """
 
 from __future__ import annotations
@@ -33,11 +38,15 @@ class LookupSpec:
     tree_depth: int = 8  # branch length: tokens proposed after a match
     top_k: int = 1  # branches: distinct matches merged into one trie
     total_tokens: int = 8  # trie nodes kept (the root excluded)
+    weak_depth: int = 0  # branch length after a match shorter than max_ngram (0: tree_depth as well)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise UserError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
         TreeSpec(self.tree_depth, self.top_k, self.total_tokens)  # validates the tree fields
+        if not 0 <= self.weak_depth <= self.tree_depth:
+            raise UserError(f"prompt lookup needs 0 <= weak_depth <= tree_depth, got {self.weak_depth} "
+                            f"(tree_depth {self.tree_depth})")
 
     @property
     def tree(self) -> TreeSpec:
@@ -81,11 +90,14 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.where.setdefault(tuple(self.seq[end - n:]), []).append(end - n)
 
-    def continuations(self, root: int, depth: int, limit: int) -> list[list[int]]:
-        """Up to `limit` distinct continuations of the history + [root], best first (module docstring)."""
+    def continuations(self, root: int, depth: int, limit: int, weak_depth: int = 0) -> list[list[int]]:
+        """Up to `limit` distinct continuations of the history + [root], best first (module docstring), of at
+        most `depth` tokens, or `weak_depth` (when > 0) after a match shorter than max_n."""
         hist = self.seq  # the root follows it; not copied (this runs every cycle)
         end = len(hist) + 1
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            if n < self.max_n and weak_depth:
+                depth = min(depth, weak_depth)
             starts = self.where.get((*hist[end - n:], root), [])
             # occurrences that end before the suffix itself (the root is not indexed: all of them do)
             found: list[list[int]] = []
@@ -117,7 +129,7 @@ class PromptLookupDraft(Draft):
         self.index.extend(path_tokens)
 
     def lookup_tree(self, root: int, spec: TreeSpec, chain: bool = False) -> DraftTree:
-        conts = self.index.continuations(root, spec.tree_depth, 1 if chain else spec.top_k)
+        conts = self.index.continuations(root, spec.tree_depth, 1 if chain else spec.top_k, self.spec.weak_depth)
         return trie(root, conts, spec.total_tokens)
 
     def propose(self, root, policy, sampling, generator) -> DraftTree:
