@@ -109,9 +109,8 @@ def _methods(config: BenchConfig, target) -> list[Method]:
         # a spec with settings (prompt-lookup:2:2, layerskip:12) names its row; a checkpoint folder is named
         # by its draft ("draft:prompt-lookup"), or by its path when two folders share a name
         name = spec if ":" in spec and not Path(spec).exists() else draft.name
-        name = name if name not in taken else spec
-        if name in taken:  # the same spec twice
-            name = f"{spec}#{len(methods)}"
+        if name in taken:
+            name = spec if spec not in taken else f"{spec}#{len(methods)}"  # the same spec twice: numbered
         methods.append(Method(name, draft, make_policy(draft, config.tree, config.tree_overrides, config.candidates)))
     return methods
 
