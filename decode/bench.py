@@ -42,7 +42,7 @@ from decode.benchio import (
     warm_up,
     write_json,
 )
-from decode.datasets import PromptItem, parse_prompt_spec
+from decode.datasets import PromptItem, data_prompt_ids, parse_prompt_spec
 from decode.errors import UserError
 from decode.loop.sampling import SamplingConfig
 from decode.loop.vanilla import check_max_new_tokens
@@ -58,6 +58,7 @@ class BenchConfig:
     drafts: tuple[str, ...] = ("prompt-lookup",)
     prompts: str = "sharegpt:20,images:5"
     split: str = "heldout"
+    exclude_data: tuple[str, ...] = ()  # supernet.data folders whose prompts are passed over (a search's held-out set)
     max_new_tokens: int = 128
     repeats: int = 3
     warmup: bool = True
@@ -138,10 +139,12 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
 
     config.check()
     sampling = config.sampling
+    exclude = frozenset().union(*(data_prompt_ids(d) for d in config.exclude_data))  # bad folders fail first
     target = load_target(config.target, device=config.device, dtype=config.dtype,
                          cache_dir=Path(config.cache_dir) if config.cache_dir else None)
     items = prompts if prompts is not None else parse_prompt_spec(
-        config.prompts, split=config.split, cache_dir=Path(config.cache_dir) if config.cache_dir else None)
+        config.prompts, split=config.split, cache_dir=Path(config.cache_dir) if config.cache_dir else None,
+        exclude=exclude)
     items, skipped = _usable_prompts(list(items), target.is_vlm, target.name)
     if not items:
         raise UserError(f"no prompts to run (spec '{config.prompts}', {skipped} image prompts skipped on a "
@@ -163,6 +166,7 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
                        "fingerprint": target.fingerprint().to_dict()},
             "prompts": {"spec": config.prompts if prompts is None else "(given)", "split": config.split,
                         "count": done, "planned": len(built), "skipped_image_prompts": skipped,
+                        "excluded": sorted(exclude) if prompts is None else [],
                         "ids": [i.id for i, _ in built[:done]]},
             "complete": done == len(built),
             "methods": [m.describe() for m in methods],
@@ -246,9 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(p)
     p.add_argument("--drafts", required=True, help="comma-separated methods: DIR | DIR+lookup | prompt-lookup | "
-                                                   "layerskip:K | random:FUSION | hf-generate | hf-lookup:N[:M] "
-                                                   "(transformers' generate, plain or with prompt lookup)")
+                                                   "layerskip:K | random:FUSION | hf-generate | hf-compiled | "
+                                                   "hf-lookup:N[:M] (transformers' generate: plain, with a static "
+                                                   "cache and torch.compile, or with prompt lookup)")
     p.add_argument("--prompts", default=BenchConfig.prompts, help=f"prompt spec (default: {BenchConfig.prompts})")
+    p.add_argument("--exclude-data", default=None, metavar="DIR[,DIR]",
+                   help="pass over the prompts these supernet.data folders were built from, e.g. a search's held-out "
+                        "data (<cache>/runs/<target>-<scale>/heldout): a bench on prompts the search never saw")
     p.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens,
                    help=f"default: {BenchConfig.max_new_tokens}")
     p.add_argument("--repeats", type=int, default=BenchConfig.repeats,
@@ -270,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.setLevel(logging.INFO)  # the skipped-prompt warning and the bench line
     config = BenchConfig(
         target=args.target, drafts=tuple(d.strip() for d in args.drafts.split(",")), prompts=args.prompts,
+        exclude_data=tuple(d.strip() for d in args.exclude_data.split(",")) if args.exclude_data else (),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=not args.no_warmup, tree=args.tree,
         tree_depth=args.tree_depth, top_k=args.top_k, total_tokens=args.total_tokens, candidates=args.candidates,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, dtype=args.dtype,

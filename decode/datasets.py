@@ -225,8 +225,9 @@ def image_prompts(split: str = "heldout", n: int | None = None) -> list[PromptIt
 
 
 def parse_prompt_spec(spec: str, split: str = "heldout", max_chars: int | None = 2000,
-                      cache_dir: pathlib.Path | None = None) -> list[PromptItem]:
-    """Prompts for a spec like "sharegpt:20,images:5", sources in the order given."""
+                      cache_dir: pathlib.Path | None = None, exclude: frozenset[str] = frozenset()) -> list[PromptItem]:
+    """Prompts for a spec like "sharegpt:20,images:5", sources in the order given; prompts whose id is in
+    `exclude` are passed over (the next ones of the same source take their place)."""
     _check_split(split)
     counts: dict[str, int] = {}
     for part in str(spec).split(","):
@@ -240,10 +241,25 @@ def parse_prompt_spec(spec: str, split: str = "heldout", max_chars: int | None =
         counts[source] = int(count)
     out: list[PromptItem] = []
     for source, count in counts.items():
-        got = (sharegpt_prompts(split, count, max_chars, cache_dir) if source == "sharegpt"
-               else image_prompts(split, count))
+        pool = (sharegpt_prompts(split, None, max_chars, cache_dir) if source == "sharegpt"
+                else image_prompts(split, None))
+        got = [p for p in pool if p.id not in exclude][:count]
         if len(got) < count:
             logger.warning("prompt spec asks for %d %s prompts but the %s split has only %d", count, source, split,
                            len(got))
         out.extend(got)
     return out
+
+
+def data_prompt_ids(directory: str | pathlib.Path) -> frozenset[str]:
+    """The prompt ids a supernet.data folder was built from (its manifest's shards): e.g. the held-out set a
+    search scored designs on, to benchmark on prompts it never saw."""
+    path = pathlib.Path(directory) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        return frozenset(i for shard in manifest["shards"] for i in shard["prompt_ids"])
+    except FileNotFoundError:
+        raise UserError(f"{directory} is not a supernet.data folder (no manifest.json); pass the folder a "
+                        "search's held-out data was built in (e.g. <cache>/runs/<target>-<scale>/heldout)") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"cannot read the prompt ids of {path} ({err}); rebuild that data folder") from None

@@ -2,6 +2,13 @@
 
     hf-generate       model.generate, greedy (dynamic cache, eager: the runtime our loop uses)
     hf-lookup:N[:M]   model.generate(prompt_lookup_num_tokens=N, max_matching_ngram_size=M), greedy
+    hf-compiled       model.generate with a static cache and torch.compile (inductor on a CPU, CUDA graphs
+                      on a GPU): the compiled vanilla decoding a user compares a speed-up against
+
+hf-compiled keeps one StaticCache per target model, STATIC_LEN positions (grown, never shrunk, to the longest
+prompt + answer asked for), so that every prompt runs the one compiled step graph: the prefill is not
+compiled and the cache tensors keep their shape. The compilation happens in the bench's untimed warm-up;
+a prompt that outgrows the cache recompiles once (logged).
 
 Timed as a whole (prefill included, as every method's wall time is); HF does not report its forward
 count, so tau is not known for these rows. Greedy only: HF's sampling draws differ from ours.
@@ -9,7 +16,9 @@ count, so tau is not known for these rows. Greedy only: HF's sampling draws diff
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +27,21 @@ from decode.errors import UserError
 from decode.loop.vanilla import GenerationResult, sync_device
 from decode.prompt import Prompt
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class HFSpec:
     lookup_tokens: int = 0  # 0: plain generate
     max_ngram: int = 2  # HF's default max_matching_ngram_size
+    compiled: bool = False  # static cache + torch.compile (hf-compiled)
 
     @classmethod
     def parse(cls, spec: str) -> "HFSpec":
         if spec == "hf-generate":
             return cls()
+        if spec == "hf-compiled":
+            return cls(compiled=True)
         parts = spec.split(":")
         try:
             n = int(parts[1]) if len(parts) > 1 else 10
@@ -35,16 +49,46 @@ class HFSpec:
         except ValueError:
             raise UserError(f"bad method '{spec}': use hf-lookup:N[:M] with integers") from None
         if parts[0] != "hf-lookup" or len(parts) > 3 or n < 1 or m < 1:
-            raise UserError(f"bad method '{spec}': use hf-generate or hf-lookup:N[:M] (N, M >= 1)")
+            raise UserError(f"bad method '{spec}': use hf-generate, hf-compiled or hf-lookup:N[:M] (N, M >= 1)")
         return cls(lookup_tokens=n, max_ngram=m)
 
     @property
     def name(self) -> str:
+        if self.compiled:
+            return "hf-compiled"
         return "hf-generate" if not self.lookup_tokens else f"hf-lookup:{self.lookup_tokens}:{self.max_ngram}"
 
 
 def is_hf_spec(spec: str) -> bool:
-    return spec == "hf-generate" or spec.startswith("hf-lookup")
+    return spec in ("hf-generate", "hf-compiled") or spec.startswith("hf-lookup")
+
+
+STATIC_LEN = 1024  # positions of hf-compiled's static cache (grown when a prompt + answer needs more)
+_static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target.model -> (positions, its StaticCache)
+
+
+def _static_cache(target, need: int):
+    """The target's StaticCache, emptied, with room for `need` positions (a new, larger one when short)."""
+    from transformers import StaticCache
+
+    have, cache = _static.get(target.model, (0, None))
+    if cache is None or have < need:
+        size = max(STATIC_LEN, -(-need // 256) * 256)
+        if cache is not None:
+            logger.warning("hf-compiled: a prompt needs %d positions: a new static cache of %d (recompiles)", need, size)
+        cache = StaticCache(config=target.model.config, max_cache_len=size)
+        _static[target.model] = (size, cache)
+    cache.reset()
+    return cache
+
+
+def _compile_config(device: torch.device):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    # reduce-overhead (CUDA graphs) on a GPU, plain inductor elsewhere; HF compiles on CUDA only unless told
+    cc = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if device.type == "cuda" else "default")
+    cc._compile_all_devices = True
+    return cc
 
 
 @torch.no_grad()
@@ -56,6 +100,9 @@ def hf_generate(target, prompt: Prompt, max_new_tokens: int, spec: HFSpec) -> Ge
                   pad_token_id=target.tokenizer.pad_token_id or sorted(target.eos_token_ids)[0])
     if spec.lookup_tokens:
         kwargs.update(prompt_lookup_num_tokens=spec.lookup_tokens, max_matching_ngram_size=spec.max_ngram)
+    if spec.compiled:
+        kwargs.update(cache=_static_cache(target, prompt.length + max_new_tokens),
+                      compile_config=_compile_config(target.device))
     sync_device(target.device)
     t0 = time.perf_counter()
     out = target.model.generate(**inputs, **kwargs)

@@ -7,8 +7,10 @@ Rows (nas/kinds.py prices each on the same held-out replay and profile):
     neural           the study's best subnet
     neural+lookup    each of the `top` best subnets merged with lookup: best (tree depth, total, LookupSpec)
 
-The row with the best predicted speed-up is exported, whatever its kind; training-free kinds need no
-weights. When nothing beats plain decoding the search says so in one line and exports kind "none".
+Each row's design (tree, lookup spec, merge rule) is picked on the sequences the trials scored; when the
+held-out set is larger, confirm_rows scores every row again, design fixed, on all of it (the tau interval
+printed is that set's), and the choice is made there. The row with the best predicted speed-up is
+exported, whatever its kind; training-free kinds need no weights. When nothing beats plain decoding the search says so in one line and exports kind "none".
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from dataclasses import replace
 import pandas as pd
 
 from decode.arch import DraftArch
+from decode.drafts.prompt_lookup import LookupSpec
 from nas.kinds import LOOKUP_ALONE_GRID, LOOKUP_GRID, KindScorer
 
 logger = logging.getLogger(__name__)
+
+CONFIRM_MARGIN = 0.2  # rows this far (a fraction) behind the best on the trials' sequences are not re-scored
+CI_GOAL = 0.05  # half-width of the chosen design's bootstrap 95% tau interval that the held-out set is sized for
 
 # ties go to the simpler kind: nothing to load beats weights to load
 SIMPLICITY = {"none": 0, "prompt-lookup": 1, "neural": 2, "neural+lookup": 3}
@@ -68,6 +74,50 @@ def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals,
     return rows
 
 
+def confirm_rows(rows: list[dict], scorer: KindScorer, sweep_of, tuned_sweep_of=None,
+                 margin: float | None = None) -> list[dict]:
+    """The contenders re-scored, their design fixed, by `scorer` (the whole held-out set); sweep_of(arch) /
+    tuned_sweep_of(arch): TreeSweeps of the supernet's / the fine-tuned subnet at the arch's tree depth.
+
+    Contenders: rows within `margin` (a fraction) of the best speed-up on the trials' sequences, the
+    training-free rows (their replay costs no forward) and rows that share a sweep with a contender (free
+    then). A row further behind keeps its trials' numbers (its "sequences" says so): a full sweep of it costs
+    minutes and cannot change the choice. Each confirmed row keeps what it scored before under "search".
+    margin None: CONFIRM_MARGIN."""
+    margin = CONFIRM_MARGIN if margin is None else margin
+    top = max(r["speedup"] for r in rows)
+
+    def sweep_key(r: dict) -> tuple | None:
+        if not r.get("arch"):
+            return None
+        return bool(r.get("tuned")), replace(DraftArch.from_json(r["arch"]), tree_depth=1, total_tokens=1)
+
+    contenders = {sweep_key(r) for r in rows if r["speedup"] >= (1 - margin) * top}
+    deepest: dict[tuple, int] = {}  # rows of one subnet (same top_k) share a sweep at the deepest tree among them
+    for r in rows:
+        if sweep_key(r) in contenders and r.get("arch"):
+            deepest[sweep_key(r)] = max(deepest.get(sweep_key(r), 0), DraftArch.from_json(r["arch"]).tree_depth)
+    out = []
+    for r in rows:
+        key = sweep_key(r)
+        if key is not None and key not in contenders:
+            out.append(r)
+            continue
+        search = {"tau": r["tau"], "tau_ci95": r["tau_ci95"], "speedup": r["speedup"], "sequences": r.get("sequences")}
+        keep = {k: r[k] for k in ("label", "tuned") if k in r}
+        lookup = LookupSpec(**r["lookup"]) if r.get("lookup") else None
+        if r["kind"] == "none":
+            new = scorer.vanilla()
+        elif r["kind"] == "prompt-lookup":
+            new = scorer.lookup(lookup)
+        else:
+            a = DraftArch.from_json(r["arch"])
+            sweep = (tuned_sweep_of if r.get("tuned") else sweep_of)(replace(a, tree_depth=deepest[key]))
+            new = scorer.neural(a, sweep, lookup, rule=r.get("merge", "union"))
+        out.append({**new, **keep, "sequences": len(scorer.seqs), "search": search})
+    return out
+
+
 def choose(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: (r["speedup"], -SIMPLICITY[r["kind"]]))
 
@@ -87,13 +137,23 @@ def describe(row: dict) -> str:
 
 
 def format_table(rows: list[dict], chosen: dict, hardware: str) -> str:
-    lines = [f"every kind of draft on {hardware} (predicted from the profile, exact greedy tau on held-out data):",
-             f"  {'':2}{'design':<24} {'speed-up':>8} {'tau':>6} {'tau 95% CI':>15} {'verify':>6}  details"]
+    n = chosen.get("sequences")
+    searched = (chosen.get("search") or {}).get("sequences")
+    on = f"{n} held-out sequences" if n else "held-out data"
+    if searched and searched != n:
+        on += (f"; designs picked on the {searched} the trials scored, rows over {CONFIRM_MARGIN:.0%} behind "
+               f"left at those")
+    lines = [f"every kind of draft on {hardware} (predicted from the profile, exact greedy tau on {on}):",
+             f"  {'':2}{'design':<24} {'speed-up':>8} {'tau':>6} {'tau 95% CI':>15} {'verify':>6} {'seqs':>5}  details"]
     for r in sorted(rows, key=lambda r: -r["speedup"]):
         lo, hi = r["tau_ci95"]
         mark = "->" if r is chosen else ""
         lines.append(f"  {mark:2}{r['label']:<24} {r['speedup']:>7.3f}x {r['tau']:>6.3f} [{lo:.3f}, {hi:.3f}] "
-                     f"{r['verify_tokens']:>6.1f}  {describe(r)}")
+                     f"{r['verify_tokens']:>6.1f} {r.get('sequences') or '':>5}  {describe(r)}")
+    lo, hi = chosen["tau_ci95"]
+    if chosen["kind"] != "none" and (hi - lo) / 2 > CI_GOAL:
+        lines.append(f"the chosen design's tau interval is +-{(hi - lo) / 2:.3f} wide (goal +-{CI_GOAL}): more "
+                     f"held-out sequences (the scale's nas.heldout_data prompts) would narrow it")
     if chosen["kind"] == "none":
         lines.append(f"no draft is predicted faster than plain decoding on {hardware}: exporting kind 'none' "
                      f"(vanilla decoding); train a larger scale (--scale cpu/full) for a neural draft that pays")

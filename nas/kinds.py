@@ -244,13 +244,13 @@ class KindScorer:
         return {"kind": kind, "tau": round(acc.tau, 4), "tau_ci95": [round(lo, 4), round(hi, 4)],
                 "speedup": round(speedup, 4), "cycle_ms": round(cycle, 3),
                 "verify_tokens": round(sum(n * k for n, k in rep.sizes.items()) / cycles, 2),
-                "cycles": acc.cycles, "arch": arch.to_json() if arch is not None else None,
+                "cycles": acc.cycles, "sequences": len(self.seqs), "arch": arch.to_json() if arch is not None else None,
                 "lookup": asdict(lookup) if lookup is not None else None}
 
     def vanilla(self) -> dict:
         return {"kind": "none", "tau": 1.0, "tau_ci95": [1.0, 1.0], "speedup": 1.0,
                 "cycle_ms": round(self.latency.target_step_ms(self.context), 3), "verify_tokens": 1.0, "cycles": 0,
-                "arch": None, "lookup": None}
+                "sequences": len(self.seqs), "arch": None, "lookup": None}
 
     def best_lookup(self, grid=LOOKUP_ALONE_GRID) -> dict:
         return max((self.lookup(s) for s in grid), key=lambda row: row["speedup"])

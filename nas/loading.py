@@ -132,3 +132,19 @@ def heldout_sequences(target: TargetModel, supernet: DraftSupernet, state: dict,
         logger.warning("held-out data %s holds dataset answers (teacher mode): tau is approximate; --mode regenerate "
                        "makes it exact", data.dir)
     return HeldOut(seqs, source, approx)
+
+
+def trial_subset(sequences: list[dict], n: int | None) -> list[dict]:
+    """The first `n` held-out sequences with the image share of the whole set (at least one image sequence
+    when the set has any and n >= 2), in their order; all of them when n is None or covers the set.
+
+    Trials score on this subset (each trial's tree sweep costs a draft forward per level and cycle); the
+    final table of every kind is re-scored on the whole set (nas/choose.py confirm_rows)."""
+    if n is None or n >= len(sequences):
+        return list(sequences)
+    image = [i for i, s in enumerate(sequences) if bool(s["image_mask"].any())]
+    text = [i for i, s in enumerate(sequences) if not bool(s["image_mask"].any())]
+    k = round(n * len(image) / len(sequences))
+    k = min(len(image), max(k, 1 if image and n >= 2 else 0), n)
+    keep = set(image[:k]) | set(text[: n - k])
+    return [s for i, s in enumerate(sequences) if i in keep]

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,6 +78,7 @@ class SearchConfig:
     context: int | None = None
     scale: str = "demo"
     finetune_steps: int | None = None  # None: the scale's nas.finetune_steps (0: none)
+    trial_sequences: int | None = None  # held-out sequences trials score on (None: the scale's; 0: all)
     export: bool = True
     device: str = "auto"
     dtype: str = "auto"
@@ -98,6 +99,8 @@ class SearchConfig:
             raise UserError(f"--max-memory-mb must be > 0, got {self.max_memory_mb}")
         if self.finetune_steps is not None and self.finetune_steps < 0:
             raise UserError(f"--finetune-steps must be >= 0, got {self.finetune_steps}")
+        if self.trial_sequences is not None and self.trial_sequences < 0:
+            raise UserError(f"--trial-sequences must be >= 0 (0: all), got {self.trial_sequences}")
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Inputs:
     held: HeldOut
     profile: ProfileChoice
     defaults: dict  # the scale's nas defaults
+    trial_seqs: list[dict] = field(default_factory=list)  # the held-out sequences trials score on
     tuned: tuple | None = None  # (supernet copy, info) after fine-tuning the best subnet alone (finetune_best)
 
 
@@ -142,7 +146,7 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     from decode.targets.loader import load_target
     from nas import pipeline
     from nas.hardware import check_hardware, local_hardware, resolve_profile, warn_extrapolation
-    from nas.loading import check_subspace, heldout_sequences, load_supernet, read_supernet_state
+    from nas.loading import check_subspace, heldout_sequences, load_supernet, read_supernet_state, trial_subset
 
     # cheap checks first: bad names fail before any model is loaded
     if cfg.hardware is not None and cfg.profile is None:
@@ -172,7 +176,10 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir), own], own,
                                  device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir)
     warn_extrapolation(choice.latency, space)
-    return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults)
+    n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
+    trial_seqs = trial_subset(held.sequences, n_trial or None)
+    return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults,
+                  trial_seqs)
 
 
 def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3) -> int:
@@ -263,32 +270,45 @@ def finetune_best(inp: Inputs, arch, steps: int):
 
 
 def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: float, hardware: str):
-    """Every kind priced on this profile (nas/choose.py) -> (rows, the chosen row, the printed table)."""
+    """Every kind priced on this profile (nas/choose.py) -> (rows, the chosen row, the printed table).
+
+    Designs are picked on the trials' sequences, then confirmed on the whole held-out set when it is larger."""
     from decode.arch import DraftArch
-    from nas.choose import choose, format_table, kinds_rows
+    from nas.choose import choose, confirm_rows, format_table, kinds_rows
     from nas.kinds import KindScorer
     from nas.objective import SweepTau
     from nas.suggest import eagle_like
 
+    depth = max(inp.space.tree_depth)
     if not isinstance(source, SweepTau):  # --tree sampled: the merged rows still need sweeps
-        source = SweepTau(inp.supernet, inp.held.sequences, inp.target.num_layers, max(inp.space.tree_depth),
-                          store=sweep_store(cfg, inp), store_key=sweep_key(inp))
-    scorer = KindScorer(inp.held.sequences, latency, context)
-    tuned_sweep = None
+        source = SweepTau(inp.supernet, inp.trial_seqs, inp.target.num_layers, depth, store=sweep_store(cfg, inp),
+                          store_key=sweep_key(inp, inp.trial_seqs))
+    scorer = KindScorer(inp.trial_seqs, latency, context)
+    tuned_net = tuned_sweep = None
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
     if steps and not done.empty:
-        net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps)
-        inp.tuned = (net, info)
-        tuned_sweep = SweepTau(net, inp.held.sequences, inp.target.num_layers, max(inp.space.tree_depth)).sweep
+        tuned_net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps)
+        inp.tuned = (tuned_net, info)
+        tuned_sweep = SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
-                      eagle_like(inp.space, inp.supernet.entropy_layer), tuned_sweep_of=tuned_sweep)
+                      eagle_like(inp.space, inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
+                      tuned_sweep_of=tuned_sweep)
+    if len(inp.held.sequences) > len(inp.trial_seqs):
+        logger.info("confirming %d designs on all %d held-out sequences (picked on %d)", len(rows),
+                    len(inp.held.sequences), len(inp.trial_seqs))
+        every = inp.held.sequences
+        whole = SweepTau(inp.supernet, every, inp.target.num_layers, 1, store=sweep_store(cfg, inp),
+                         store_key=sweep_key(inp, every))  # depth 1: each sweep as deep as its rows' trees
+        tuned_whole = SweepTau(tuned_net, every, inp.target.num_layers, 1).sweep if tuned_net is not None else None
+        rows = confirm_rows(rows, KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms), whole.sweep,
+                            tuned_whole)
     chosen = choose(rows)
     text = format_table(rows, chosen, hardware)
     logger.log(logging.WARNING if chosen["kind"] == "none" else logging.INFO, "%s", text)
     return rows, chosen, text
 
 
-def sweep_key(inp: Inputs) -> str:
+def sweep_key(inp: Inputs, sequences: list[dict]) -> str:
     """What the stored sweeps depend on: the supernet's weights (its state and weight file) and the held-out
     sequences (their tokens), not the hardware."""
     import hashlib
@@ -297,7 +317,7 @@ def sweep_key(inp: Inputs) -> str:
     for f in sorted(Path(inp.checkpoint).glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for s in inp.held.sequences:
+    for s in sequences:
         h.update(s["input_ids"].numpy().tobytes())
         h.update(str(int(s["prompt_len"])).encode())
     return h.hexdigest()
@@ -359,7 +379,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     setup = _json({
         "target": target.name, "target_fingerprint": target.fingerprint().to_dict(),
         "supernet": str(Path(inp.checkpoint).resolve()), "supernet_step": inp.state.get("step"),
-        "heldout": held.source, "heldout_last": inp.n_heldout,
+        "heldout": held.source, "heldout_last": inp.n_heldout, "trial_sequences": len(inp.trial_seqs),
         "hardware": choice.hardware, "profile": choice.describe(), "objective": asdict(obj_cfg),
         "space": inp.space.to_dict(),
     })
@@ -391,15 +411,15 @@ def run_search(cfg: SearchConfig) -> SearchResult:
 
     if cfg.tree == "best":  # one sweep per (subnet, top_k) scores all its trees; kept on disk for other searches
         store = sweep_store(cfg, inp)
-        source = SweepTau(inp.supernet, held.sequences, target.num_layers, max(inp.space.tree_depth),
-                          store=store, store_key=sweep_key(inp))
+        source = SweepTau(inp.supernet, inp.trial_seqs, target.num_layers, max(inp.space.tree_depth),
+                          store=store, store_key=sweep_key(inp, inp.trial_seqs))
     else:
-        source = SupernetTau(inp.supernet, held.sequences, target.num_layers)
+        source = SupernetTau(inp.supernet, inp.trial_seqs, target.num_layers)
     tau = TauCache(source)
     seeded = tau.seed_from(study)  # finished trials of this study (earlier runs, other workers) cost nothing
     objective = SpeedupObjective(inp.space, inp.supernet.entropy_layer, TargetDims.of(target), latency, tau, obj_cfg)
-    logger.info("searching %d trials on %s (%s profile %s), context %d, %d held-out sequences%s", n_trials,
-                choice.hardware, choice.how, choice.path, objective.context, len(held.sequences),
+    logger.info("searching %d trials on %s (%s profile %s), context %d, %d of %d held-out sequences%s", n_trials,
+                choice.hardware, choice.how, choice.path, objective.context, len(inp.trial_seqs), len(held.sequences),
                 f", {seeded} cached taus" if seeded else "")
     objective.seed_proposals(study)
     ran = run_trials(study, objective, n_trials, f"nas {choice.hardware}")
@@ -474,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-steps", type=int, default=None,
                    help="fine-tune the best subnet alone for N sequences before choosing and exporting (its tau "
                         "is re-measured; default: the scale's, 300 at demo scale; 0: off)")
+    p.add_argument("--trial-sequences", type=int, default=None, metavar="N",
+                   help="trials score archs on the first N held-out sequences (image share kept); the contenders of "
+                        "the final table are confirmed on all of them (default: the scale's, 6 at demo scale; 0: all)")
     p.add_argument("--no-export", action="store_true", help="do not export the best draft")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="float32|bfloat16|float16|auto")
@@ -499,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         study_name=args.study_name, sampler=args.sampler, out=args.out, seed=args.seed, heldout=args.heldout,
         heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
         pareto=args.pareto, tree=args.tree, sweep_cache=args.sweep_cache, context=args.context, scale=args.scale,
-        finetune_steps=args.finetune_steps,
+        finetune_steps=args.finetune_steps, trial_sequences=args.trial_sequences,
         export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     res = run_search(cfg)
     print(f"study {res.study_name} ({res.storage}): {res.trials_run} trials run, {res.total_complete} finished in all")

@@ -12,8 +12,11 @@ Per prompt (TRAIN split of decode.datasets) one sequence is built and run throug
 
 truncated to --max-len tokens (a prompt whose image would be cut is skipped). A text prompt too
 long to leave --min-answer answer tokens (when set; the scales set it) keeps its tail, so every
-sequence trains something (held-out data keeps whole prompts: they are what decoding sees). In regenerate mode, --regen-batch > 1 answers the train split's text prompts in
-left-padded batches (supernet/regen.py; refused for the held-out split, whose answers must be exact).
+sequence trains something (held-out data keeps whole prompts: they are what decoding sees). In
+regenerate mode, --regen-batch > 1 answers text prompts in left-padded batches (supernet/regen.py).
+Held-out answers must be the target's exact greedy continuation: there each batched answer is checked
+against the sequence's own (unbatched) forward, and one that is not the argmax at every position is
+refused and generated again one prompt at a time (counted in the manifest as `regen_refused`).
 The forward stores, per token, the target's top-k next-token logits + full logsumexp, the hidden
 states the search space needs (the entropy layer is resolved first, on --calib-prompts prompts
 spread over the list), image and loss masks, and for sequences with an image the attention entropy
@@ -75,7 +78,7 @@ class DataConfig:
     max_new_tokens: int = 192  # regenerate mode: cap on the target's own answer
     max_prompt_chars: int | None = 2000  # ShareGPT prompts longer than this are not used
     min_answer: int = 0  # answer tokens every text sequence keeps room for (a longer prompt loses its head); 0 = off
-    regen_batch: int = 1  # regenerate mode, train split: prompts answered together (left-padded batch)
+    regen_batch: int = 1  # regenerate mode: prompts answered together (left-padded batch; checked on held-out)
     calib_prompts: int = 8  # first prompts whose attention entropy picks the entropy layer
     entropy_layer: int | None = None  # force the entropy layer (hidden-state index) instead of calibrating
     top_tokens: int = 1024  # most frequent next tokens listed in the manifest
@@ -94,9 +97,6 @@ class DataConfig:
             raise UserError(f"unknown mode '{self.mode}'; use one of: {', '.join(MODES)}")
         if self.max_len < 2:
             raise UserError(f"--max-len must be at least 2 (one trained position), got {self.max_len}")
-        if self.split == "heldout" and self.mode == "regenerate" and self.regen_batch > 1:
-            raise UserError("held-out answers must be the target's exact greedy continuation, which a padded batch "
-                            "does not guarantee; use --regen-batch 1 for --split heldout")
         if self.min_answer < 0 or self.min_answer >= self.max_len:
             raise UserError(f"--min-answer must be in [0, max-len), got {self.min_answer}")
         for name in ("topk", "shard_size", "image_answer_tokens", "max_new_tokens", "calib_prompts", "top_tokens",
@@ -301,15 +301,24 @@ def _plan_shards(out: Path, groups: list[list[PromptItem]], content_hash: str, f
         entry = {"file": shard_name(j), "prompt_ids": ids, "complete": ok}
         if ok:
             entry.update(sequence_ids=json.loads(meta["sequence_ids"]), skipped=json.loads(meta["skipped"]),
+                         regen_refused=json.loads(meta.get("regen_refused", "[]")),
                          sequences=int(meta["sequences"]), tokens=int(meta["tokens"]))
         shards.append(entry)
     return shards
 
 
+def is_greedy_fixed_point(features: dict) -> bool:
+    """Whether every answer token of a built sequence is the target's argmax after its prefix, as computed
+    by the sequence's own forward (features: sequence_features' dict): what a batched answer must pass to be
+    held-out data, whose replayed tau is exact only on the target's greedy continuation."""
+    ids, p = features["input_ids"], int(features["prompt_len"])
+    return bool(torch.equal(features["topk_ids"][p - 1:-1, 0], ids[p:])) if p >= 1 else False
+
+
 def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[PromptItem], config: DataConfig,
                  layers: tuple[int, ...], meta: dict[str, str], built: dict, bar) -> None:
     """Features of one shard's prompts, written atomically; `entry` (its manifest row) is completed."""
-    seqs, ids, skipped = [], [], {}
+    seqs, ids, skipped, refused = [], [], {}, []
     answers = regenerate_batched(target, [p for p in group if p.id not in built], config)
     for item in group:
         bar.set_postfix_str(item.id[:24])
@@ -318,14 +327,23 @@ def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[Prompt
             skipped[item.id] = f"image cut by max_len {config.max_len}"
             logger.warning("skipping %s: its image tokens do not fit in --max-len %d", item.id, config.max_len)
         else:
-            seqs.append(sequence_features(target, *seq, layers, config.topk))
+            features = sequence_features(target, *seq, layers, config.topk)
+            if config.split == "heldout" and item.id in answers and not is_greedy_fixed_point(features):
+                # a padded batch flipped a near-tied argmax: the one-at-a-time answer is the reference
+                refused.append(item.id)
+                logger.warning("held-out %s: the batched answer is not the target's greedy continuation; "
+                               "generating it alone", item.id)
+                features = sequence_features(target, *build_sequence(target, item, config), layers, config.topk)
+            seqs.append(features)
             ids.append(item.id)
         bar.update(1)
     tokens = sum(int(s["input_ids"].numel()) for s in seqs)
     write_shard(out / entry["file"], seqs, {**meta, "prompt_ids": json.dumps(entry["prompt_ids"]),
                                             "sequence_ids": json.dumps(ids), "skipped": json.dumps(skipped),
-                                            "sequences": str(len(seqs)), "tokens": str(tokens)})
-    entry.update(complete=True, sequence_ids=ids, skipped=skipped, sequences=len(seqs), tokens=tokens)
+                                            "sequences": str(len(seqs)), "tokens": str(tokens),
+                                            "regen_refused": json.dumps(refused)})
+    entry.update(complete=True, sequence_ids=ids, skipped=skipped, sequences=len(seqs), tokens=tokens,
+                 regen_refused=refused)
 
 
 def regenerate_batched(target: TargetModel, items: list[PromptItem], config: DataConfig) -> dict[str, list[int]]:
@@ -424,6 +442,7 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
            "torch_threads": torch.get_num_threads()}
     manifest.update(summarize_shards(out, shards, target.vocab_size, target.num_layers, config.top_tokens),
                     complete=True, skipped={k: v for s in shards for k, v in s["skipped"].items()},
+                    regen_refused=[k for s in shards for k in s.get("regen_refused", [])],
                     bytes=sum((out / s["file"]).stat().st_size for s in shards),
                     runs=manifest["runs"] + [run])  # one entry per invocation (resumes included)
     write_json_atomic(out / MANIFEST, manifest)
@@ -461,7 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer tokens each text sequence keeps room for; a longer prompt loses its head "
                         "(default: 0 = off)")
     p.add_argument("--regen-batch", type=int, default=None,
-                   help="regenerate mode, train split: prompts answered per left-padded batch (default: 1)")
+                   help="regenerate mode: prompts answered per left-padded batch; on --split heldout each batched "
+                        "answer is checked against the target's own forward (default: 1)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help=f"ShareGPT prompts longer than this are not used (default: {d.max_prompt_chars})")
     p.add_argument("--calib-prompts", type=int, default=d.calib_prompts,
                    help=f"prompts whose attention entropy picks the entropy layer (default: {d.calib_prompts})")
     p.add_argument("--entropy-layer", type=int, default=None, help="use this hidden-state index instead of calibrating")
@@ -489,9 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     d = DataConfig()
     pick = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k, getattr(d, k))
             for k in ("prompts", "mode", "max_len", "topk", "max_new_tokens", "min_answer", "regen_batch", "shard_size")}
-    pick["max_prompt_chars"] = preset.get("max_prompt_chars", d.max_prompt_chars)
-    if args.split == "heldout" and args.regen_batch is None:
-        pick["regen_batch"] = 1  # the scale's batched regeneration is for training data only
+    pick["max_prompt_chars"] = args.max_prompt_chars if args.max_prompt_chars is not None \
+        else preset.get("max_prompt_chars", d.max_prompt_chars)
     space = args.space or default_space_name(args.target)
     config = DataConfig(target=args.target, split=args.split, **pick, space=space, out=args.out,
                         image_answer_tokens=args.image_answer_tokens,

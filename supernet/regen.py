@@ -5,9 +5,10 @@ exactly the continuations it will be asked to guess. One prompt at a time that c
 target step per token; left-padded batches share each step among B prompts, which on 2 CPU cores
 makes thousands of answers affordable.
 
-Batched answers are for TRAINING only: padding changes the floating-point summation order, so a
-batch may, rarely, flip a near-tied argmax. Held-out data, whose replayed tau must be exact, is
-generated one prompt at a time (supernet.data refuses batches there).
+Padding changes the floating-point summation order, so a batch may, rarely, flip a near-tied argmax.
+That is harmless in training data. Held-out data, whose replayed tau must be exact, takes a batched
+answer only when the sequence's own unbatched forward agrees with every answer token (supernet.data
+refuses the others and generates them one prompt at a time).
 
 Only prompts whose model inputs are `input_ids` + `attention_mask` (text prompts of every family
 with a chat template) are batched; the rest are answered one at a time by the caller.

@@ -117,6 +117,21 @@ def test_transformers_generate_and_lookup_rows_beside_ours(target):
     assert "hf-lookup:4:2" in format_table(res["summary"])
 
 
+def test_compiled_transformers_generate_is_identical_and_compiles_once():
+    """hf-compiled (static cache + torch.compile, inductor on this CPU): the compiled vanilla baseline emits
+    the vanilla tokens on prompts of different lengths, an image prompt included, from one compiled step
+    graph (the prefill is not compiled, the cache keeps its shape)."""
+    from torch._dynamo.utils import counters
+
+    cfg = BenchConfig(target="tiny-llava", drafts=("hf-compiled",), max_new_tokens=8, repeats=1, warmup=True,
+                      device="cpu")
+    before = counters["stats"]["unique_graphs"]
+    res = run_bench(cfg, prompts=PROMPTS)
+    summary = {row["method"]: row for row in res["summary"]}
+    assert summary["hf-compiled"]["identical_rate"] == 1.0 and summary["hf-compiled"]["prompts"] == 3
+    assert counters["stats"]["unique_graphs"] - before == 1  # compiled, and only once
+
+
 def test_bad_transformers_method_is_a_user_error():
     with pytest.raises(UserError, match="hf-lookup:N"):
         run_bench(BenchConfig(target="tiny-llama", drafts=("hf-lookup:x",), device="cpu"), prompts=PROMPTS[:1])
@@ -126,6 +141,7 @@ def test_every_method_gets_its_own_row_name(tmp_path):
     """An exported training-free design beside plain prompt lookup, two checkpoint folders of one name and
     one spec given twice: every method keeps a row of its own (the summary is keyed by name)."""
     from conftest import tiny_target
+
     from decode.drafts.kinds import save_training_free
     from decode.drafts.prompt_lookup import LookupSpec
 
@@ -139,3 +155,25 @@ def test_every_method_gets_its_own_row_name(tmp_path):
     names = [m.name for m in bench._methods(cfg, target)]
     assert names == ["vanilla", "draft:prompt-lookup", "prompt-lookup:2:2", "prompt-lookup",
                      str(tmp_path / "b" / "draft"), "prompt-lookup#5", "layerskip:1"]
+
+
+def test_bench_passes_over_the_prompts_of_a_data_folder(tmp_path, monkeypatch):
+    """--exclude-data: the bench runs on prompts a search's held-out data never held, and records which."""
+    seen: dict = {}
+
+    def spec(s, **kw):
+        seen.update(kw)
+        return [p for p in PROMPTS[:2] if p.id not in kw["exclude"]]
+
+    monkeypatch.setattr(bench, "parse_prompt_spec", spec)
+    held = tmp_path / "heldout"
+    held.mkdir()
+    (held / "manifest.json").write_text(json.dumps({"shards": [{"prompt_ids": ["sharegpt:a"]}]}))
+    out = tmp_path / "b.json"
+    assert bench.main(["--target", "tiny-llama", "--drafts", "prompt-lookup", "--prompts", "sharegpt:1",
+                       "--exclude-data", str(held), "--max-new-tokens", "4", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert seen["exclude"] == {"sharegpt:a"} and res["prompts"]["excluded"] == ["sharegpt:a"]
+    assert res["prompts"]["ids"] == ["sharegpt:b"]
+    with pytest.raises(UserError, match="not a supernet.data folder"):
+        run_bench(BenchConfig(target="tiny-llama", exclude_data=(str(tmp_path / "none"),)))

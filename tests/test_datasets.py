@@ -8,8 +8,17 @@ import sys
 import pytest
 
 from decode import datasets
-from decode.datasets import (HELDOUT_PHOTOS, PromptItem, image_prompts, iter_json_array, load_sharegpt,
-                             parse_prompt_spec, sharegpt_prompts, split_of)
+from decode.datasets import (
+    HELDOUT_PHOTOS,
+    PromptItem,
+    data_prompt_ids,
+    image_prompts,
+    iter_json_array,
+    load_sharegpt,
+    parse_prompt_spec,
+    sharegpt_prompts,
+    split_of,
+)
 from decode.errors import UserError
 from decode.images import BUNDLED_PHOTOS, load_image
 
@@ -117,6 +126,24 @@ def test_prompt_spec():
     assert parse_prompt_spec("images:3", split="train") == image_prompts("train", n=3)
     assert parse_prompt_spec("sharegpt:0") == []
     assert len(parse_prompt_spec("images:1000")) == len(image_prompts())  # fewer than asked: a warning
+
+
+def test_prompt_spec_passes_over_excluded_prompts(tmp_path):
+    """A bench on prompts a search never saw: the ids a data folder was built from are skipped, the next
+    prompts of each source take their place."""
+    first = parse_prompt_spec("sharegpt:6,images:4")
+    shards = [{"prompt_ids": [p.id for p in first[:3]]}, {"prompt_ids": [first[4].id, first[6].id]}]
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
+    seen = data_prompt_ids(tmp_path)
+    assert seen == {first[i].id for i in (0, 1, 2, 4, 6)}
+    got = parse_prompt_spec("sharegpt:3,images:2", exclude=seen)
+    assert [p.id for p in got[:3]] == [first[3].id, first[5].id, sharegpt_prompts("heldout", n=7)[6].id]
+    assert [p.id for p in got[3:]] == [first[7].id, first[8].id]
+    with pytest.raises(UserError, match="not a supernet.data folder"):
+        data_prompt_ids(tmp_path / "nope")
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="cannot read the prompt ids"):
+        data_prompt_ids(tmp_path)
 
 
 @pytest.mark.parametrize("spec", ["", "foo:3", "sharegpt", "sharegpt:x", "sharegpt:-1", "sharegpt:1.5", "images:",

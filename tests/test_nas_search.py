@@ -14,6 +14,7 @@ import optuna
 import pytest
 from conftest import single_thread, tiny_prompt, tiny_target
 
+from decode.arch import DraftArch
 from decode.drafts import make_draft
 from decode.errors import UserError
 from decode.loop.speculative import speculative_generate
@@ -468,3 +469,85 @@ def test_three_workers_on_postgresql_score_every_arch_once_and_agree_with_one_wo
     single = optuna.load_study(study_name=f"{name}-one", storage=url)
     assert single.best_trial.user_attrs["arch"] == study.best_trial.user_attrs["arch"]
     assert single.best_value == study.best_value and one.best["arch"] == study.best_trial.user_attrs["arch"]
+
+
+def test_trial_subset_keeps_the_image_share_and_the_order():
+    import torch
+
+    from nas.loading import trial_subset
+
+    seqs = [{"image_mask": torch.tensor([i % 4 == 3, False]), "i": i} for i in range(12)]  # 3 image sequences
+    sub = trial_subset(seqs, 4)
+    assert [s["i"] for s in sub] == [0, 1, 2, 3]  # 3 text + 1 image, in order
+    assert [s["i"] for s in trial_subset(seqs, 2)] == [0, 3]  # one image even when its share rounds to 0
+    assert trial_subset(seqs, None) == seqs and trial_subset(seqs, 20) == seqs
+
+
+def test_designs_picked_on_the_trial_sequences_are_confirmed_on_all(assets, tmp_path, monkeypatch):
+    """Trials score 2 held-out sequences; the final table re-scores each row's design on all 4 (every row a
+    contender here), and those are the numbers the choice and the export use."""
+    import nas.choose
+    from decode.drafts.prompt_lookup import LookupSpec
+    from nas.kinds import KindScorer
+    from nas.loading import heldout_sequences, read_supernet_state
+    from nas.objective import SweepTau
+
+    monkeypatch.setattr(nas.choose, "CONFIRM_MARGIN", 1.0)
+    res = run_search(_cfg(assets, tmp_path / "run", heldout=4, trial_sequences=2, finetune_steps=0,
+                          study_name="c"))
+    rows = json.loads((tmp_path / "run" / "kinds.json").read_text())["rows"]
+    assert all(r["sequences"] == 4 and r["search"]["sequences"] == 2 for r in rows)
+    assert "exact greedy tau on 4 held-out sequences; designs picked on the 2 the trials scored" in res.kinds_text
+    target = tiny_target(TARGET)
+    net, _ = load_supernet(assets["supernet"], target)
+    seqs = heldout_sequences(target, net, read_supernet_state(assets["supernet"]), None, 4, net.space).sequences
+    assert len(seqs) == 4
+    every = KindScorer(seqs, None)
+    look = next(r for r in rows if r["kind"] == "prompt-lookup")
+    assert look["tau"] == round(every.replay_lookup(LookupSpec(**look["lookup"])).acceptance.tau, 4)
+    merged = next(r for r in rows if r["kind"] == "neural+lookup")
+    arch = DraftArch.from_json(merged["arch"])
+    sweep = SweepTau(net.float(), seqs, target.num_layers, 1).sweep(arch)
+    rep = every.replay_neural(arch, sweep, LookupSpec(**merged["lookup"]), rule=merged["merge"])
+    assert merged["tau"] == round(rep.acceptance.tau, 4)
+    assert res.chosen["speedup"] == max(r["speedup"] for r in rows)
+
+
+def test_rows_far_behind_the_best_are_not_confirmed():
+    """Only contenders get a sweep over the whole held-out set: rows within the margin of the best, the
+    training-free ones, and rows sharing a contender's sweep (at the deepest tree among them)."""
+    from dataclasses import replace as dc_replace
+
+    from nas.choose import confirm_rows
+
+    a = DraftArch(fusion="concat", feature_layers=(-1,), depth=1, heads=(3,), ffn=(384,), draft_vocab=4096,
+                  visual_keep=1.0, tree_depth=2, top_k=1, total_tokens=2)
+    eagle = dc_replace(a, heads=(9,), ffn=(1536,), draft_vocab=None, tree_depth=4, top_k=2, total_tokens=14)
+    deep = dc_replace(a, tree_depth=3, total_tokens=3)
+
+    def row(kind, speedup, arch=None, label=""):
+        return {"kind": kind, "speedup": speedup, "tau": 1.0, "tau_ci95": [1.0, 1.0], "sequences": 8, "label": label,
+                "arch": arch.to_json() if arch else None, "lookup": None}
+
+    class Scorer:
+        seqs = [None] * 96
+
+        def vanilla(self):
+            return row("none", 1.0)
+
+        def lookup(self, spec):
+            return row("prompt-lookup", 1.25)
+
+        def neural(self, arch, sweep, lookup, rule):
+            return {**row("neural", 1.1, arch), "sweep": sweep}
+
+    rows = [row("none", 1.0, label="vanilla"), row("prompt-lookup", 1.2, label="lookup"),
+            row("neural", 1.0, a, "best neural"), row("neural", 0.9, deep, "deeper"), row("neural", 0.4, eagle, "eagle")]
+    rows[1]["lookup"] = {"max_ngram": 2, "tree_depth": 2, "top_k": 1, "total_tokens": 2}
+    swept = []
+    out = {r["label"]: r for r in confirm_rows(rows, Scorer(), lambda arch: swept.append(arch) or arch.tree_depth,
+                                               margin=0.2)}
+    assert {k for k, r in out.items() if r["sequences"] == 96} == {"vanilla", "lookup", "best neural", "deeper"}
+    assert out["eagle"] is rows[4]  # 0.4x: left as the trials scored it
+    assert [s.tree_depth for s in swept] == [3, 3] and out["best neural"]["sweep"] == 3  # one depth for both
+    assert out["best neural"]["search"] == {"tau": 1.0, "tau_ci95": [1.0, 1.0], "speedup": 1.0, "sequences": 8}

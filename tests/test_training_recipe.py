@@ -104,10 +104,41 @@ def test_batched_answers_equal_one_at_a_time():
             assert got == vanilla_generate(target, p, n).tokens
 
 
-def test_heldout_data_refuses_batched_regeneration():
-    with pytest.raises(UserError, match="regen-batch 1"):
-        DataConfig(split="heldout", mode="regenerate", regen_batch=8).check()
-    DataConfig(split="train", mode="regenerate", regen_batch=8).check()
+def test_heldout_data_refuses_a_batched_answer_that_is_not_the_greedy_continuation(tmp_path, monkeypatch):
+    """Held-out data may be regenerated in batches, but an answer the target's own forward disagrees with
+    (here: one token of one answer flipped, as a padded batch can do on a near tie) is refused and
+    generated again alone: every stored continuation is the target's greedy one."""
+    import supernet.regen as regen_mod
+    from supernet.dataset import FeatureData
+
+    target = tiny_target("tiny-llama")
+    real = regen_mod.batch_greedy
+    flipped: list[list[int]] = []
+
+    def corrupt(tgt, prompts, max_new):
+        answers = real(tgt, prompts, max_new)
+        if not flipped:  # the first answer of the first batch gets a wrong second token
+            answers[0] = answers[0][:1] + [(answers[0][1] + 1) % tgt.vocab_size] + answers[0][2:]
+            flipped.append(answers[0])
+        return answers
+
+    monkeypatch.setattr(regen_mod, "batch_greedy", corrupt)
+    cfg = DataConfig(target="tiny-llama", split="heldout", prompts="sharegpt:4", space="tiny", mode="regenerate",
+                     max_len=64, max_new_tokens=10, topk=8, regen_batch=4, shard_size=4, out=str(tmp_path / "h"),
+                     entropy_layer=1)  # given, as the pipeline does: no calibration builds answers one at a time
+    with single_thread():
+        data_mod.build_data(cfg, target=target)
+        data = FeatureData(tmp_path / "h", target)
+        manifest = data.manifest
+        assert len(manifest["regen_refused"]) == 1  # the corrupted answer only: the other three were kept
+        items = {i.id: i for i in data_mod.load_prompts(cfg, target.is_vlm, target.name)}
+        for k, sid in enumerate(data.ids):
+            seq = data[k]
+            assert data_mod.is_greedy_fixed_point(seq)
+            full, plen = build_sequence(target, items[sid], replace(cfg, regen_batch=1))  # one at a time
+            assert seq["input_ids"].tolist() == full.input_ids[0].tolist() and int(seq["prompt_len"]) == plen
+    assert flipped and flipped[0] not in [data[k]["input_ids"].tolist()[int(data[k]["prompt_len"]):]
+                                          for k in range(len(data))]
 
 
 def test_regenerated_batch_sequences_match_one_at_a_time():
