@@ -92,6 +92,7 @@ class HeldOut:
     sequences: list[dict]
     source: str  # description, written into the study setup and the outputs
     approximate: bool
+    directory: str | None = None  # the held-out data folder (None: the tail of the training data)
 
 
 def heldout_sequences(target: TargetModel, supernet: DraftSupernet, state: dict, heldout_data: str | None,
@@ -131,7 +132,7 @@ def heldout_sequences(target: TargetModel, supernet: DraftSupernet, state: dict,
         approx = True
         logger.warning("held-out data %s holds dataset answers (teacher mode): tau is approximate; --mode regenerate "
                        "makes it exact", data.dir)
-    return HeldOut(seqs, source, approx)
+    return HeldOut(seqs, source, approx, str(data.dir) if heldout_data is not None else None)
 
 
 def trial_subset(sequences: list[dict], n: int | None) -> list[dict]:

@@ -116,6 +116,7 @@ class SearchResult:
     command: str | None
     chosen: dict | None = None  # the exported design's row of the kinds table (nas/choose.py)
     kinds_text: str = ""  # every kind side by side, as printed
+    bench_command: str | None = None  # decode.bench of the export on held-out prompts the search never saw
 
 
 def _json(obj) -> object:
@@ -434,7 +435,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
         best = {**next(t for t in study.get_trials(deepcopy=False) if t.number == number).user_attrs, "number": number}
     rows, chosen, kinds_text = choose_kind(cfg, inp, done, source, latency, objective.context, choice.hardware)
     (out / "kinds.json").write_text(to_json(rows, chosen) + "\n")
-    draft = command = None
+    draft = command = bench = None
     if cfg.export:
         meta = {"predicted": {k: chosen.get(k) for k in ("tau", "tau_ci95", "speedup", "cycle_ms", "verify_tokens")},
                 "kind": chosen["kind"], "kinds": rows, "hardware": choice.hardware,
@@ -445,13 +446,19 @@ def run_search(cfg: SearchConfig) -> SearchResult:
         draft = export_best(cfg, inp, chosen, meta, out)
         command = shlex.join(["python", "-m", "decode.run", "--target", target.name, "--draft", str(draft), "--prompt",
                               EXAMPLE_PROMPT, "--compare"])  # quoted: a path with spaces copy-pastes
+        bench = shlex.join(["python", "-m", "decode.bench", "--target", target.name, "--drafts",
+                            f"{draft},prompt-lookup,hf-compiled", "--prompts", "sharegpt:10,images:3",
+                            *(["--exclude-data", held.directory] if held.directory else []),
+                            "--max-new-tokens", "64", "--repeats", "2"])
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
-               "draft": str(draft) if draft else None, "command": command, "tau_cache_hits": tau.hits,
+               "draft": str(draft) if draft else None, "command": command, "bench_command": bench,
+               "tau_cache_hits": tau.hits,
                "sweeps_loaded": getattr(source, "loaded", 0),
                "trials_complete": complete, "kinds": rows, "chosen": chosen}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    return SearchResult(out, study_name, url, ran, complete, best or {}, draft, table, command, chosen, kinds_text)
+    return SearchResult(out, study_name, url, ran, complete, best or {}, draft, table, command, chosen, kinds_text,
+                        bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -536,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exported {c['label']} (kind {c['kind']}, predicted speed-up {c['speedup']:.3f}x, "
               f"tau {c['tau']:.3f}) -> {res.draft}")
         print(res.command)
+        print("measure it against vanilla, prompt lookup and compiled vanilla on held-out prompts this search "
+              "never saw:")
+        print(res.bench_command)
     return 0
 
 

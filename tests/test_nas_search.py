@@ -81,6 +81,7 @@ def test_study_runs_resumes_and_exports(assets, tmp_path):
     for name in ("trials.csv", "best.csv", "trials.png", "summary.json"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert "python -m decode.run --target tiny-llava --draft" in res2.command and "--compare" in res2.command
+    assert "--exclude-data" not in res2.bench_command  # tau came from training sequences: no held-out prompts
 
     # the exported draft: standalone, on the right target, lossless
     cfg = json.loads((res2.draft / "draft_config.json").read_text())
@@ -292,6 +293,9 @@ def test_pipeline_builds_once_then_reuses(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert "split heldout" in summary["setup"]["heldout"] and summary["setup"]["heldout_last"] is None
     assert json.loads((run / "heldout" / "manifest.json").read_text())["config"]["mode"] == "regenerate"
+    # the suggested bench runs on held-out prompts the search never scored
+    assert shlex.split(res.bench_command)[-6:-4] == ["--exclude-data", str(run / "heldout")]
+    assert summary["bench_command"] == res.bench_command
     first = {r["label"]: r for r in json.loads((tmp_path / "out" / "kinds.json").read_text())["rows"]}
     assert "best neural, fine-tuned" not in first  # smoke scale: no fine-tuning by default
     res2 = run_search(replace(cfg, finetune_steps=2))
