@@ -16,15 +16,29 @@
 #   TOKENS     max new tokens in the bench (default 64)
 #   REPEATS    timed repeats per prompt and method (default 2)
 #   BIG_TREE   "depth top_k total" for the second bench with a larger tree (default "5 8 48")
-#   QUICK=1    CPU dry run of the script itself: --quick profile, 2 validate samples, tiny bench
+#   QUICK=1    CPU dry run of the script itself: --quick profile, 2 validate samples, tiny benches
+#              (PROMPTS sharegpt:2,images:1, TOKENS 8, REPEATS 1 unless given); tests/test_gpu_session.py
+#              runs it so on a tiny target in CI
+#
+# The first bench has transformers' compiled vanilla decoding (hf-compiled: static cache + torch.compile,
+# CUDA graphs on the GPU) beside ours: a speed-up smaller than what compiling gives is no win.
 set -u
 : "${RES:?set RES to the results folder}"
 DRAFTS=${DRAFTS:-}
 HW=${HW:-h200}
 TARGET=${TARGET:-smolvlm-135m}
+if [ "${QUICK:-0}" = 1 ]; then
+  PROMPTS=${PROMPTS:-sharegpt:2,images:1}
+  TOKENS=${TOKENS:-8}
+  REPEATS=${REPEATS:-1}
+  FP32_PROMPTS=${FP32_PROMPTS:-sharegpt:1}
+  FP32_TOKENS=${FP32_TOKENS:-8}
+fi
 PROMPTS=${PROMPTS:-sharegpt:6,images:2}
 TOKENS=${TOKENS:-64}
 REPEATS=${REPEATS:-2}
+FP32_PROMPTS=${FP32_PROMPTS:-sharegpt:4}
+FP32_TOKENS=${FP32_TOKENS:-48}
 BIG_TREE=${BIG_TREE:-"5 8 48"}
 PY=${PY:-python3}
 mkdir -p "$RES"
@@ -69,7 +83,7 @@ if [ -n "$drafts_csv" ]; then  # where real cycles spend their time (the profile
     --out "$RES/trace-$TARGET-$HW.json"
 fi
 
-stage bench 240 $PY -m decode.bench --target "$TARGET" --drafts "${drafts_csv:+$drafts_csv,}prompt-lookup${EXTRA_DRAFTS:+,$EXTRA_DRAFTS}" \
+stage bench 240 $PY -m decode.bench --target "$TARGET" --drafts "${drafts_csv:+$drafts_csv,}prompt-lookup,hf-generate,hf-compiled${EXTRA_DRAFTS:+,$EXTRA_DRAFTS}" \
   --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --repeats "$REPEATS" -v \
   --out "$RES/bench-$TARGET-$HW-drafts.json"
 
@@ -86,7 +100,7 @@ if [ -n "$drafts_csv" ]; then
     --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --repeats "$REPEATS" -v \
     --out "$RES/bench-$TARGET-$HW-big-tree.json"
   stage bench-fp32 90 $PY -m decode.bench --target "$TARGET" --dtype float32 --drafts "$drafts_csv,prompt-lookup" \
-    --prompts sharegpt:4 --max-new-tokens 48 --repeats 1 -v \
+    --prompts "$FP32_PROMPTS" --max-new-tokens "$FP32_TOKENS" --repeats 1 -v \
     --out "$RES/bench-$TARGET-$HW-fp32.json"
 fi
 echo "=== [$(date +%T)] done" | tee -a "$LOG"
