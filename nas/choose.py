@@ -8,9 +8,10 @@ Rows (nas/kinds.py prices each on the same held-out replay and profile):
     neural+lookup    each of the `top` best subnets merged with lookup: best (tree depth, total, LookupSpec)
 
 Each row's design (tree, lookup spec, merge rule) is picked on the sequences the trials scored; when the
-held-out set is larger, confirm_rows scores every row again, design fixed, on all of it (the tau interval
-printed is that set's), and the choice is made there. The row with the best predicted speed-up is
-exported, whatever its kind; training-free kinds need no weights. When nothing beats plain decoding the search says so in one line and exports kind "none".
+held-out set is larger, confirm_rows scores the contenders again, design fixed, on all of it (the tau
+interval printed is that set's), and the choice is made there. The row with the best predicted speed-up
+is exported, whatever its kind; training-free kinds need no weights. When nothing beats plain decoding
+the search says so in one line and exports kind "none".
 """
 
 from __future__ import annotations
@@ -86,20 +87,16 @@ def confirm_rows(rows: list[dict], scorer: KindScorer, sweep_of, tuned_sweep_of=
     margin None: CONFIRM_MARGIN."""
     margin = CONFIRM_MARGIN if margin is None else margin
     top = max(r["speedup"] for r in rows)
-
-    def sweep_key(r: dict) -> tuple | None:
-        if not r.get("arch"):
-            return None
-        return bool(r.get("tuned")), replace(DraftArch.from_json(r["arch"]), tree_depth=1, total_tokens=1)
-
-    contenders = {sweep_key(r) for r in rows if r["speedup"] >= (1 - margin) * top}
+    # the sweep a row needs: (tuned, its subnet without the tree); None for the training-free rows
+    keys = [(bool(r.get("tuned")), replace(DraftArch.from_json(r["arch"]), tree_depth=1, total_tokens=1))
+            if r.get("arch") else None for r in rows]
+    contenders = {k for k, r in zip(keys, rows) if k is not None and r["speedup"] >= (1 - margin) * top}
     deepest: dict[tuple, int] = {}  # rows of one subnet (same top_k) share a sweep at the deepest tree among them
-    for r in rows:
-        if sweep_key(r) in contenders and r.get("arch"):
-            deepest[sweep_key(r)] = max(deepest.get(sweep_key(r), 0), DraftArch.from_json(r["arch"]).tree_depth)
+    for k, r in zip(keys, rows):
+        if k in contenders:
+            deepest[k] = max(deepest.get(k, 0), DraftArch.from_json(r["arch"]).tree_depth)
     out = []
-    for r in rows:
-        key = sweep_key(r)
+    for key, r in zip(keys, rows):
         if key is not None and key not in contenders:
             out.append(r)
             continue
@@ -141,8 +138,9 @@ def format_table(rows: list[dict], chosen: dict, hardware: str) -> str:
     searched = (chosen.get("search") or {}).get("sequences")
     on = f"{n} held-out sequences" if n else "held-out data"
     if searched and searched != n:
-        on += (f"; designs picked on the {searched} the trials scored, rows over {CONFIRM_MARGIN:.0%} behind "
-               f"left at those")
+        on += f"; designs picked on the {searched} the trials scored"
+        if any(r.get("sequences") != n for r in rows):
+            on += f", rows over {CONFIRM_MARGIN:.0%} behind left at those"
     lines = [f"every kind of draft on {hardware} (predicted from the profile, exact greedy tau on {on}):",
              f"  {'':2}{'design':<24} {'speed-up':>8} {'tau':>6} {'tau 95% CI':>15} {'verify':>6} {'seqs':>5}  details"]
     for r in sorted(rows, key=lambda r: -r["speedup"]):

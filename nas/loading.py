@@ -140,11 +140,12 @@ def trial_subset(sequences: list[dict], n: int | None) -> list[dict]:
     when the set has any and n >= 2), in their order; all of them when n is None or covers the set.
 
     Trials score on this subset (each trial's tree sweep costs a draft forward per level and cycle); the
-    final table of every kind is re-scored on the whole set (nas/choose.py confirm_rows)."""
+    contenders of the final table are re-scored on the whole set (nas/choose.py confirm_rows)."""
     if n is None or n >= len(sequences):
         return list(sequences)
-    image = [i for i, s in enumerate(sequences) if bool(s["image_mask"].any())]
-    text = [i for i, s in enumerate(sequences) if not bool(s["image_mask"].any())]
+    has_image = [bool(s["image_mask"].any()) for s in sequences]
+    image = [i for i, x in enumerate(has_image) if x]
+    text = [i for i, x in enumerate(has_image) if not x]
     k = round(n * len(image) / len(sequences))
     k = min(len(image), max(k, 1 if image and n >= 2 else 0), n)
     keep = set(image[:k]) | set(text[: n - k])
