@@ -56,7 +56,12 @@ def parse_variant(text: str, train_fields: dict) -> tuple[str, dict]:
         if key not in train_fields:
             raise UserError(f"variant '{name}': unknown setting '{key}'; use TrainConfig fields ({', '.join(train_fields)})")
         kind = type(train_fields[key])
-        out[key] = bool(int(value)) if kind is bool else kind(value)
+        if kind is type(None):  # optional fields (space): a name or path
+            kind = str
+        try:
+            out[key] = bool(int(value)) if kind is bool else kind(value)
+        except ValueError:
+            raise UserError(f"variant '{name}': {key}={value!r} is not a {kind.__name__}") from None
     return name, out
 
 

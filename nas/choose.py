@@ -3,6 +3,7 @@
 Rows (nas/kinds.py prices each on the same held-out replay and profile):
     vanilla          1.00x, always there
     prompt-lookup    the best LookupSpec of the grid
+    layerskip        the target's first K layers drafting a chain: the best (K, depth) (when the scorer has the target)
     eagle-like       the EAGLE-like default subnet (the study's first trial), with its best tree
     neural           the study's best subnet
     neural+lookup    each of the `top` best subnets merged with lookup: best (tree depth, total, LookupSpec)
@@ -32,7 +33,7 @@ CONFIRM_MARGIN = 0.2  # rows this far (a fraction) behind the best on the trials
 CI_GOAL = 0.05  # half-width of the chosen design's bootstrap 95% tau interval that the held-out set is sized for
 
 # ties go to the simpler kind: nothing to load beats weights to load
-SIMPLICITY = {"none": 0, "prompt-lookup": 1, "neural": 2, "neural+lookup": 3}
+SIMPLICITY = {"none": 0, "prompt-lookup": 1, "layerskip": 2, "neural": 3, "neural+lookup": 4}
 
 
 def distinct_archs(done: pd.DataFrame, top: int) -> list[DraftArch]:
@@ -53,6 +54,9 @@ def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals,
     supernet); adds its rows, alone and merged with lookup, marked "tuned". grid: the lookups merged with
     neural trees; lookup_grid: the lookups tried alone."""
     rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(lookup_grid), "label": "prompt lookup"}]
+    skip = scorer.best_layerskip()
+    if skip is not None:
+        rows.append({**skip, "label": "layer-skip self-draft"})
     best = distinct_archs(done, top)
     if eagle is not None:
         match = [DraftArch.from_json(a) for a in done["arch"]
@@ -107,6 +111,8 @@ def confirm_rows(rows: list[dict], scorer: KindScorer, sweep_of, tuned_sweep_of=
             new = scorer.vanilla()
         elif r["kind"] == "prompt-lookup":
             new = scorer.lookup(lookup)
+        elif r["kind"] == "layerskip":
+            new = scorer.layerskip(r["layerskip"]["layers"], r["layerskip"]["tree_depth"])
         else:
             a = DraftArch.from_json(r["arch"])
             sweep = (tuned_sweep_of if r.get("tuned") else sweep_of)(replace(a, tree_depth=deepest[key]))
@@ -121,6 +127,9 @@ def choose(rows: list[dict]) -> dict:
 
 def describe(row: dict) -> str:
     parts = []
+    if row.get("layerskip"):
+        s = row["layerskip"]
+        parts.append(f"first {s['layers']} layers + LM head, chain {s['tree_depth']}")
     if row.get("arch"):
         a = DraftArch.from_json(row["arch"])
         parts.append(f"{a.fusion} layers{list(a.feature_layers)} d{a.depth} h{list(a.heads)} ffn{list(a.ffn)} "

@@ -5,6 +5,7 @@
                     of LookupSpecs (n-gram sizes, branch length, branches)
     neural          a subnet of the supernet with its best tree for the device (the Optuna study's trials)
     neural+lookup   the neural tree and the lookup trie merged into one verified tree (decode.drafts.merged)
+    layerskip       the target's first K layers (K a stored feature layer) drafting a chain of depth D
 
 Why the replay is exact for lookup and merged trees too. Lookup's trie at a root position r depends only
 on the tokens before r (its n-gram index grows token by token, whatever the cycle boundaries were), so
@@ -12,6 +13,13 @@ one trie per root position serves every walk. The merged tree holds the neural t
 whole, so greedy verification accepts max(neural accepted, lookup accepted) at r, and it verifies
 1 + |neural| + |lookup| - |shared prefixes| tokens. With the neural expansions of a tree sweep
 (nas/treesweep.py) every (depth, total_tokens, LookupSpec) is scored without a draft forward.
+
+Layer-skip chains replay exactly from the stored features too: every node that can be accepted lies on the
+target's own continuation, where the first K layers compute exactly the stored hidden_states[K], so the
+draft's proposal after position j is argmax(norm + LM head of hidden[K][j]) (TargetModel.exit_logits) and a
+chain accepts while those equal the continuation. Its tokens cost K layers + the LM head each: priced as
+that share of a measured target step (decoding one token is bound by the weights it reads) + the
+profile's per-cycle overhead for a chain of depth D.
 
 Cost. Cycles differ in size (lookup often finds no match and verifies the root alone), so the predicted
 speed-up is tau x T_step / mean cycle time over the replayed cycles, each cycle priced with the
@@ -42,6 +50,27 @@ LOOKUP_GRID = tuple(LookupSpec(max_ngram=n, tree_depth=d, top_k=k, total_tokens=
 LOOKUP_ALONE_GRID = LOOKUP_GRID + tuple(
     LookupSpec(max_ngram=n, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w)
     for n in (2, 3) for d in (4, 8) for k in (1, 2) for w in (1, 2))
+LAYERSKIP_DEPTHS = (1, 2, 3, 4)  # chain depths tried for the layer-skip self-draft
+
+
+@dataclass(frozen=True)
+class EarlyExit:
+    """What the layer-skip rows need from the target: its early-exit head and the cost share of K layers."""
+
+    head: object  # (N, H) hidden_states[K] -> (N, V) logits (TargetModel.exit_logits)
+    num_layers: int
+    layer_params: int  # weights one decoder layer reads per token
+    head_params: int  # LM head (+ final norm) weights read per token
+
+    @classmethod
+    def of(cls, target) -> "EarlyExit":
+        layer = sum(p.numel() for p in target.decoder.layers[0].parameters())
+        head = sum(p.numel() for m in (target.lm_head, target.decoder.norm) for p in m.parameters())
+        return cls(target.exit_logits, target.num_layers, layer, head)
+
+    def cost_share(self, k: int) -> float:
+        """One token through K layers + the head, as a share of one through the whole target."""
+        return (self.head_params + k * self.layer_params) / (self.head_params + self.num_layers * self.layer_params)
 
 
 @dataclass
@@ -165,8 +194,8 @@ class KindScorer:
     """Replays and predicted speed-ups of every kind on one set of held-out sequences and one profile."""
 
     def __init__(self, sequences, latency: LatencyModel | None, context: float = 512.0,
-                 lookup_ms: float | None = None):
-        """latency None: replays only (no speed-ups)."""
+                 lookup_ms: float | None = None, early_exit: EarlyExit | None = None):
+        """latency None: replays only (no speed-ups); early_exit None: no layer-skip rows."""
         self.seqs = list(sequences)
         self.bounds = [(int(s["prompt_len"]), s["input_ids"].numel()) for s in self.seqs]
         self.conts = [expected_tokens(s) for s in self.seqs]
@@ -174,6 +203,8 @@ class KindScorer:
         self.lookup_ms = (0.0 if latency is None else measure_lookup_ms(int(context))) if lookup_ms is None \
             else lookup_ms
         self._roots: dict[LookupSpec, list[list[RootTrie]]] = {}
+        self.early_exit = early_exit
+        self._exits: dict[int, list[list[int]]] = {}
 
     def roots(self, spec: LookupSpec) -> list[list[RootTrie]]:
         if spec not in self._roots:
@@ -246,6 +277,43 @@ class KindScorer:
                 "verify_tokens": round(sum(n * k for n, k in rep.sizes.items()) / cycles, 2),
                 "cycles": acc.cycles, "sequences": len(self.seqs), "arch": arch.to_json() if arch is not None else None,
                 "lookup": asdict(lookup) if lookup is not None else None}
+
+    def layerskip_layers(self) -> list[int]:
+        """The K that layer-skip rows can use: intermediate layers every sequence stores (1 <= K < L)."""
+        if self.early_exit is None or not self.seqs:
+            return []
+        common = set.intersection(*(set(s["hidden"]) for s in self.seqs))
+        return sorted(k for k in common if 1 <= k < self.early_exit.num_layers)
+
+    def exit_argmax(self, k: int) -> list[list[int]]:
+        """Per sequence, the layer-skip:K proposal after each position (argmax of the early-exit logits)."""
+        if k not in self._exits:
+            self._exits[k] = [self.early_exit.head(s["hidden"][k]).argmax(-1).tolist() for s in self.seqs]
+        return self._exits[k]
+
+    def replay_layerskip(self, k: int, depth: int, max_new_tokens: int | None = None) -> Replay:
+        """layerskip:K drafting a chain of `depth` tokens per cycle (the loop truncates it near the end)."""
+        preds = self.exit_argmax(k)
+
+        def at_root(i, r, md):
+            d, m = min(depth, md), 0
+            while m < d and preds[i][r + m] == self.conts[i][r + m + 1]:
+                m += 1
+            return m, 1 + d
+
+        return replay(len(self.seqs), self.bounds, at_root, max_new_tokens)
+
+    def layerskip(self, k: int, depth: int, max_new_tokens: int | None = None) -> dict:
+        rep = self.replay_layerskip(k, depth, max_new_tokens)
+        step = self.latency.target_step_ms(self.context)
+        chain = DraftArch(tree_depth=depth, top_k=1, total_tokens=depth)
+        fixed = depth * step * self.early_exit.cost_share(k) + self.latency.overhead_ms(chain)
+        return {**self._row("layerskip", rep, fixed), "layerskip": {"layers": k, "tree_depth": depth}}
+
+    def best_layerskip(self, depths=LAYERSKIP_DEPTHS) -> dict | None:
+        """The fastest (K, chain depth) on this profile; None without stored intermediate layers."""
+        rows = [self.layerskip(k, d) for k in self.layerskip_layers() for d in depths]
+        return max(rows, key=lambda row: row["speedup"]) if rows else None
 
     def vanilla(self) -> dict:
         return {"kind": "none", "tau": 1.0, "tau_ci95": [1.0, 1.0], "speedup": 1.0,

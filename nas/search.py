@@ -227,15 +227,16 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
     """The chosen design -> out/draft, written atomically: a subnet (optionally fine-tuned first), alone or
     merged with lookup, or a weightless checkpoint of a training-free kind (nas/choose.py)."""
     from decode.arch import DraftArch
-    from decode.drafts.kinds import save_training_free
+    from decode.drafts.kinds import TRAINING_FREE, save_training_free
     from decode.drafts.prompt_lookup import LookupSpec
     from nas.export import export_draft, replace_dir
 
     kind = best.get("kind", "neural")
     tmp = out / f".draft.tmp{os.getpid()}"
-    if kind in ("none", "prompt-lookup"):
+    if kind in TRAINING_FREE:
         lookup = LookupSpec(**best["lookup"]) if best.get("lookup") else None
-        save_training_free(tmp, kind, inp.target, lookup, meta)
+        skip = (best["layerskip"]["layers"], best["layerskip"]["tree_depth"]) if best.get("layerskip") else None
+        save_training_free(tmp, kind, inp.target, lookup, meta, layerskip=skip)
         replace_dir(tmp, out / "draft")
         return out / "draft"
     extra = {"kind": kind, **({"lookup": best["lookup"], "merge": best.get("merge", "union")}
@@ -276,7 +277,7 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     Designs are picked on the trials' sequences, then confirmed on the whole held-out set when it is larger."""
     from decode.arch import DraftArch
     from nas.choose import choose, confirm_rows, format_table, kinds_rows
-    from nas.kinds import KindScorer
+    from nas.kinds import EarlyExit, KindScorer
     from nas.objective import SweepTau
     from nas.suggest import eagle_like
 
@@ -284,7 +285,8 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     if not isinstance(source, SweepTau):  # --tree sampled: the merged rows still need sweeps
         source = SweepTau(inp.supernet, inp.trial_seqs, inp.target.num_layers, depth, store=sweep_store(cfg, inp),
                           store_key=sweep_key(inp, inp.trial_seqs))
-    scorer = KindScorer(inp.trial_seqs, latency, context)
+    early_exit = EarlyExit.of(inp.target)
+    scorer = KindScorer(inp.trial_seqs, latency, context, early_exit=early_exit)
     tuned_net = tuned_sweep = None
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
     if steps and not done.empty:
@@ -301,8 +303,8 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         whole = SweepTau(inp.supernet, every, inp.target.num_layers, 1, store=sweep_store(cfg, inp),
                          store_key=sweep_key(inp, every))  # depth 1: each sweep as deep as its rows' trees
         tuned_whole = SweepTau(tuned_net, every, inp.target.num_layers, 1).sweep if tuned_net is not None else None
-        rows = confirm_rows(rows, KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms), whole.sweep,
-                            tuned_whole)
+        whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit)
+        rows = confirm_rows(rows, whole_scorer, whole.sweep, tuned_whole)
     chosen = choose(rows)
     text = format_table(rows, chosen, hardware)
     logger.log(logging.WARNING if chosen["kind"] == "none" else logging.INFO, "%s", text)

@@ -107,18 +107,22 @@ def scale_defaults(scale: str, section: str) -> dict:
     return dict((yaml.safe_load(file.read_text()) or {}).get(section, {}))
 
 
-def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig):
+def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig, elapsed_s: float = 0.0):
     """(role, arch) pairs for this step: largest, smallest, then random ones seeded by (seed, step).
 
-    schedule progressive (once-for-all's progressive shrinking): the first third of the steps train
+    schedule progressive (once-for-all's progressive shrinking): the first third of the run trains
     the largest subnet alone; the second third adds random subnets of elastic depth at the largest
-    widths; the last third is the full sandwich."""
+    widths; the last third is the full sandwich. The run's progress is its share of the steps, or of
+    the time budget when that runs out first (as for the LR schedule)."""
     rng = random.Random(cfg.seed * 1_000_003 + step)
     space, e = model.space, model.entropy_layer
     largest = space.largest(e)
-    if cfg.schedule == "progressive" and step < cfg.steps // 3:
+    progress = step / cfg.steps
+    if cfg.time_budget_s > 0:
+        progress = max(progress, elapsed_s / cfg.time_budget_s)
+    if cfg.schedule == "progressive" and progress < 1 / 3:
         return [("largest", largest)]
-    if cfg.schedule == "progressive" and step < 2 * cfg.steps // 3:
+    if cfg.schedule == "progressive" and progress < 2 / 3:
         out = [("largest", largest)]
         for i in range(cfg.n_random + 1):
             arch = space.sample(rng, e)
@@ -225,7 +229,7 @@ def train(cfg: TrainConfig) -> Path:
             group["lr"] = lr
         rows = []
         seqs = [train_ids[k] for k in sequence_ids(step, cfg, n_train, d.rank, d.world)]
-        roles = sandwich(model, step, cfg)
+        roles = sandwich(model, step, cfg, time.perf_counter() - t0)
         for role, arch in roles:
             model.set_active(arch)
             agg: dict[str, float] = {}

@@ -165,6 +165,44 @@ def test_lookup_and_merged_replays_equal_real_decoding(trained):
     assert lookup_hits > 0  # lookup accepted tokens somewhere: the comparison is not all-rejections
 
 
+def test_layerskip_replay_equals_real_decoding(trained, tmp_path):
+    """The layer-skip self-draft replayed from stored features (nas.kinds) gives the cycles, accepted-length
+    histogram and verified sizes of real speculative decoding with LayerSkipDraft, for every stored K and
+    chain depth; the exported checkpoint loads as that draft."""
+    from collections import Counter
+
+    from decode.arch import TreeSpec
+    from decode.drafts import LayerSkipDraft
+    from decode.drafts.kinds import load_draft_dir, save_training_free
+    from nas.kinds import EarlyExit, KindScorer
+
+    target, _, seqs = trained
+    scorer = KindScorer(seqs, latency=None, early_exit=EarlyExit.of(target))
+    layers = scorer.layerskip_layers()
+    assert layers and all(1 <= k < target.num_layers for k in layers)
+    accepted = 0
+    for k in layers:
+        for depth in (1, 2, 3):
+            rep = scorer.replay_layerskip(k, depth)
+            cycles, hist, sizes = 0, Counter(), Counter()
+            tree = TreeSpec(tree_depth=depth, top_k=1, total_tokens=depth)
+            for item, seq in zip(ITEMS, seqs):
+                p = int(seq["prompt_len"])
+                real = speculative_generate(target, LayerSkipDraft(k, tree), target.build_prompt(item.text, item.image),
+                                            seq["input_ids"].numel() - p)
+                assert real.tokens == seq["input_ids"][p:].tolist()
+                cycles += real.cycles
+                hist.update(real.accept_hist)
+                sizes.update(real.tree_sizes)
+            assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (k, depth)
+            accepted += sum(v for m, v in hist.items() if m > 0)
+    assert accepted > 0  # the early exit agreed somewhere: not an all-rejections comparison
+    draft = load_draft_dir(save_training_free(tmp_path / "ls", "layerskip", target, None, layerskip=(layers[0], 2)),
+                           target)
+    assert isinstance(draft, LayerSkipDraft) and draft.k == layers[0]
+    assert draft.default_tree == TreeSpec(tree_depth=2, top_k=1, total_tokens=2)
+
+
 def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
     from nas.kinds import Replay
 

@@ -90,7 +90,8 @@ def test_study_runs_resumes_and_exports(assets, tmp_path):
     # every kind was priced; the exported one is the fastest of them (nas/choose.py), whatever its kind
     rows = json.loads((tmp_path / "run" / "kinds.json").read_text())["rows"]
     labels = {r["label"] for r in rows}
-    assert {"vanilla", "prompt lookup", "best neural", "EAGLE-like default", "neural #1 + lookup"} <= labels
+    assert {"vanilla", "prompt lookup", "layer-skip self-draft", "best neural", "EAGLE-like default",
+            "neural #1 + lookup"} <= labels
     chosen = res2.chosen
     assert chosen["speedup"] == max(r["speedup"] for r in rows)
     assert cfg["kind"] == meta["kind"] == chosen["kind"]

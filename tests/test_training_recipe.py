@@ -264,3 +264,8 @@ def test_progressive_schedule_opens_depth_then_everything():
     late = sandwich(net, 25, cfg)
     assert [r for r, _ in late] == ["largest", "smallest", "random0", "random1"]
     assert sandwich(net, 0, TrainConfig(target="t", data="d", out="o", n_random=1))[1][0] == "smallest"
+    timed = replace(cfg, steps=100_000, time_budget_s=90.0)  # a time-budgeted run: the phases follow its clock
+    assert len(sandwich(net, 3, timed, elapsed_s=10.0)) == 1
+    mid = sandwich(net, 3, timed, elapsed_s=45.0)
+    assert len(mid) == 4 and mid[1][0] == "depth0"
+    assert sandwich(net, 3, timed, elapsed_s=80.0)[1][0] == "smallest"

@@ -4,6 +4,8 @@
     neural+lookup   a neural draft whose trees are merged with prompt-lookup continuations ("lookup": LookupSpec,
                     "merge": union | switch, decode/drafts/merged.py)
     prompt-lookup   training-free: n-gram lookup only ("lookup": LookupSpec), no weights
+    layerskip       training-free: the target's first K layers draft a chain ("layerskip": {"layers": K,
+                    "tree_depth": D}), no weights
     none            training-free: plain decoding (the search found nothing faster on that hardware)
 
 The search (nas.search) exports whichever kind it predicts fastest; the training-free kinds need no
@@ -15,7 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from decode.arch import TreeSpec
 from decode.drafts.base import Draft
+from decode.drafts.layerskip import LayerSkipDraft
 from decode.drafts.merged import MergedDraft
 from decode.drafts.model import CONFIG_NAME, DraftModel
 from decode.drafts.neural import NeuralDraft
@@ -23,7 +27,8 @@ from decode.drafts.none import NoDraft
 from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
 from decode.errors import UserError
 
-KINDS = ("neural", "neural+lookup", "prompt-lookup", "none")
+KINDS = ("neural", "neural+lookup", "prompt-lookup", "layerskip", "none")
+TRAINING_FREE = ("prompt-lookup", "layerskip", "none")
 NEURAL_KINDS = ("neural", "neural+lookup")
 FORMAT = "vlm-draft-nas/draft-v1"
 
@@ -55,12 +60,26 @@ def lookup_spec(config: dict, where: str) -> LookupSpec:
         raise UserError(f"{where}: bad \"lookup\" settings ({err})") from None
 
 
+def layerskip_settings(config: dict, where: str) -> tuple[int, int]:
+    """(K layers, chain depth D) of a layerskip checkpoint's "layerskip" object."""
+    raw = config.get("layerskip")
+    ok = isinstance(raw, dict) and all(isinstance(raw.get(k), int) and raw[k] >= 1 for k in ("layers", "tree_depth"))
+    if not ok:
+        raise UserError(f"{where}: a draft of kind 'layerskip' needs \"layerskip\": "
+                        f"{{\"layers\": K, \"tree_depth\": D}} with integers >= 1 in {CONFIG_NAME}")
+    return raw["layers"], raw["tree_depth"]
+
+
 def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> Draft:
     """The draft a checkpoint directory holds; with_lookup merges lookup into a neural one (DIR+lookup)."""
     config = read_config(directory)
     kind, name = config.get("kind", "neural"), Path(directory).name
-    if kind in ("none", "prompt-lookup"):  # named after their folder too: a bench may run it beside plain lookup
-        draft = NoDraft() if kind == "none" else PromptLookupDraft(spec=lookup_spec(config, str(directory)))
+    if kind in TRAINING_FREE:  # named after their folder too: a bench may run it beside plain lookup
+        if kind == "layerskip":
+            k, depth = layerskip_settings(config, str(directory))
+            draft = LayerSkipDraft(k, TreeSpec(tree_depth=depth, top_k=1, total_tokens=depth))
+        else:
+            draft = NoDraft() if kind == "none" else PromptLookupDraft(spec=lookup_spec(config, str(directory)))
         draft.name = f"{name}:{kind}"
         return draft
     neural = NeuralDraft(DraftModel.from_pretrained(directory, target), name=name)
@@ -70,17 +89,22 @@ def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> 
 
 
 def save_training_free(directory: str | Path, kind: str, target, lookup: LookupSpec | None,
-                       metadata: dict | None = None) -> Path:
-    """A weightless checkpoint (kind prompt-lookup or none) that `--draft DIR` loads."""
+                       metadata: dict | None = None, layerskip: tuple[int, int] | None = None) -> Path:
+    """A weightless checkpoint that `--draft DIR` loads: kind prompt-lookup, layerskip ((K layers, chain
+    depth)) or none."""
     from dataclasses import asdict
 
-    if kind not in ("prompt-lookup", "none"):
+    if kind not in TRAINING_FREE:
         raise ValueError(f"not a training-free kind: {kind}")
+    if kind == "layerskip" and layerskip is None:
+        raise ValueError("kind layerskip needs layerskip=(K, depth)")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     config = {"format": FORMAT, "kind": kind, "target_name": target.name,
               "target": target.fingerprint().to_dict(), "metadata": metadata or {}}
     if kind == "prompt-lookup":
         config["lookup"] = asdict(lookup or LookupSpec())
+    if kind == "layerskip":
+        config["layerskip"] = {"layers": int(layerskip[0]), "tree_depth": int(layerskip[1])}
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True))
     return out

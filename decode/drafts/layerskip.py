@@ -1,16 +1,25 @@
-"""Layer-skip self-draft: the target's first K layers + its final norm and LM head (no training)."""
+"""Layer-skip self-draft: the target's first K layers + its final norm and LM head (no training).
+
+Its committed KV is the target's own (the first K layers see the same inputs), so it costs no
+catch-up forward, only K/L of a target step per drafted token; it pays when the early exit agrees
+with the full model often, which on small targets it rarely does (nas.kinds prices it per device).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from decode.arch import TreeSpec
 from decode.drafts.base import ModelDraft, TentativeSlots
 
 
 class LayerSkipDraft(ModelDraft):
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, tree: TreeSpec | None = None):
+        """tree: its default tree (the search exports a chain of the depth it picked)."""
         self.k = num_layers
         self.name = f"layerskip:{num_layers}"
+        if tree is not None:
+            self.default_tree = tree
         self.target = None
         self.cache = None
         self.slots: TentativeSlots | None = None

@@ -251,11 +251,23 @@ class TargetModel:
                 )
         finally:
             self.decoder.layers = full_layers
-        logits = self.lm_head(out.last_hidden_state)[0].float()  # (N, V)
+        return TreeOutput(logits=self._head(out.last_hidden_state[0]), hidden={k: v[0] for k, v in store.items()})
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """(N, H) hidden states after the final norm -> (N, V) fp32 logits (LM head; softcap where the family has
+        one)."""
+        logits = self.lm_head(normed).float()
         cap = getattr(self.text_config, "final_logit_softcapping", None)
         if self.spec.softcap_logits and cap:
             logits = torch.tanh(logits / cap) * cap
-        return TreeOutput(logits=logits, hidden={k: v[0] for k, v in store.items()})
+        return logits
+
+    @torch.no_grad()
+    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, H) hidden states after the first K layers (HF hidden_states[K], K < L) -> (N, V) logits of the
+        layer-skip self-draft layerskip:K there (final norm + LM head): what it proposes after a committed
+        token, computed from stored features without a forward (nas.kinds replays it this way)."""
+        return self._head(self.decoder.norm(hidden.to(self.device, self.dtype)))
 
     @torch.no_grad()
     def forward_tree(
