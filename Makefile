@@ -23,7 +23,7 @@ prepare: venv
 	$(BIN)/python -m decode.prepare --target all
 
 # the main job: the whole pipeline at demo scale on the default target (data, supernet, held-out
-# data, latency profile, Optuna search, export); about 12 minutes on 2 CPU cores the first time
+# data, latency profile, Optuna search, export); about 20 minutes on 2 CPU cores the first time
 demo: prepare
 	$(BIN)/python -m nas.search
 

@@ -2,20 +2,26 @@
 
     python -m decode.bench --target smollm2-135m --drafts prompt-lookup,layerskip:12 --prompts sharegpt:20
     python -m decode.bench --target smolvlm-135m --drafts out/draft-h200,prompt-lookup --prompts sharegpt:20,images:5
+    python -m decode.bench --drafts prompt-lookup --runtimes eager,compiled --prompts sharegpt:10,images:3
 
 Per prompt: the prompt is built once, then vanilla decoding and every draft run interleaved
 --repeats times (after one untimed warm-up of each method on the first prompt); each (prompt,
 method) keeps the median wall time. Summary per method:
 
     tokens_per_s    total new tokens / total of the per-prompt median wall times (prefill included)
-    speedup         tokens_per_s / vanilla's tokens_per_s
-    median_speedup  median over prompts of (method tokens/s / vanilla tokens/s) on that prompt
+    speedup         tokens_per_s / tokens_per_s of vanilla decoding on the same runtime (`baseline`)
+    speedup_vs_eager  tokens_per_s / eager vanilla's tokens_per_s (what a compiled method gains in all)
+    median_speedup  median over prompts of (method tokens/s / its baseline's tokens/s) on that prompt
     tau             mean over prompts of tokens emitted per target verify forward (bonus included)
-    identical_rate  share of prompts whose greedy output equals vanilla's token for token
+    identical_rate  share of prompts whose greedy output equals eager vanilla's token for token
                     (null when sampling: speculative sampling matches the distribution, not the draws)
 
 Results go to --out (default benchmarks/results/bench-<target>-<device>-<date>.json) with the
 config, command line, device, library versions and every per-prompt row.
+
+--runtimes eager,compiled runs vanilla decoding and every draft on each runtime (rows "NAME@compiled"):
+compiled = a static KV cache, trees padded to fixed buckets and torch.compile'd target forwards
+(decode/runtime/compiled.py), compiled in the untimed warm-up. Every row records its runtime.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from decode.loop.sampling import SamplingConfig
 from decode.loop.vanilla import check_max_new_tokens
 from decode.paths import writable_dir, writable_file
 from decode.runtime import small_rows
+from decode.runtime.compiled import check_runtime
 
 logger = logging.getLogger("decode.bench")  # not __main__ under python -m
 
@@ -60,6 +67,7 @@ class BenchConfig:
     split: str = "heldout"
     exclude_data: tuple[str, ...] = ()  # supernet.data folders whose prompts are passed over (a search's held-out set)
     max_new_tokens: int = 128
+    runtimes: tuple[str, ...] = ("eager",)  # our loop's runtimes: each gets its vanilla row and every draft
     repeats: int = 3
     warmup: bool = True
     tree: str | None = None  # dynamic | chain | static:B1,B2,.. (None: dynamic)
@@ -92,6 +100,10 @@ class BenchConfig:
         if self.repeats < 1:
             raise UserError(f"--repeats must be at least 1, got {self.repeats}")
         check_max_new_tokens(self.max_new_tokens)
+        if not self.runtimes or len(set(self.runtimes)) != len(self.runtimes):
+            raise UserError(f"--runtimes needs distinct runtimes (eager, compiled), got {','.join(self.runtimes)!r}")
+        for r in self.runtimes:
+            check_runtime(r)
         check_tree_args(self.tree, self.tree_overrides, self.candidates)
         self.sampling  # validates temperature / top-p
 
@@ -100,19 +112,27 @@ def _methods(config: BenchConfig, target) -> list[Method]:
     from decode.drafts import make_draft
     from decode.hf_generate import is_hf_spec
 
-    methods = [Method.vanilla()]
+    # eager vanilla always runs: every row's identity is checked against it and "speedup_vs_eager" is taken from it
+    runtimes = ("eager",) + tuple(r for r in config.runtimes if r != "eager")
+    methods = [Method.vanilla(r) for r in runtimes]
+    drafts: list[tuple[str, object]] = []
     for spec in config.drafts:
         if is_hf_spec(spec):
             methods.append(Method.transformers(spec))
             continue
         draft = make_draft(spec, target, seed=config.seed or 0)
-        taken = {m.name for m in methods}
+        taken = {n for n, _ in drafts}
         # a spec with settings (prompt-lookup:2:2, layerskip:12) names its row; a checkpoint folder is named
         # by its draft ("draft:prompt-lookup"), or by its path when two folders share a name
         name = spec if ":" in spec and not Path(spec).exists() else draft.name
         if name in taken:
-            name = spec if spec not in taken else f"{spec}#{len(methods)}"  # the same spec twice: numbered
-        methods.append(Method(name, draft, make_policy(draft, config.tree, config.tree_overrides, config.candidates)))
+            position = 1 + len(drafts) + sum(m.hf is not None for m in methods)  # its place among the rows
+            name = spec if spec not in taken else f"{spec}#{position}"  # the same spec twice: numbered
+        drafts.append((name, draft))
+    for runtime in config.runtimes:
+        for name, draft in drafts:
+            policy = make_policy(draft, config.tree, config.tree_overrides, config.candidates)
+            methods.append(Method(name if runtime == "eager" else f"{name}@{runtime}", draft, policy, runtime=runtime))
     return methods
 
 
@@ -170,7 +190,7 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
                         "ids": [i.id for i, _ in built[:done]]},
             "complete": done == len(built),
             "methods": [m.describe() for m in methods],
-            "summary": summarize(rows, [m.name for m in methods], sampling.greedy),
+            "summary": summarize(rows, [m.name for m in methods], sampling.greedy, {m.name: m.baseline for m in methods}),
             "small_rows": {"mode": small_rows.MODE, "choices": small_rows.choices()},  # which linear kernels ran
             "per_prompt": rows,
         }
@@ -183,10 +203,12 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
             for m in methods:
                 if m.name not in runs:  # a method that cannot take this prompt (Method.supports)
                     continue
-                meas = runs[m.name]
+                meas, base = runs[m.name], runs[m.baseline]
                 row = {"prompt_id": item.id, "prompt_tokens": prompt.length, "has_image": prompt.has_image,
-                       **meas.to_row()}
-                row["speedup"] = meas.tokens_per_s / van.tokens_per_s if van.tokens_per_s > 0 else None
+                       **meas.to_row(), "runtime": m.describe()["runtime"], "baseline": m.baseline}
+                # against vanilla on the same runtime, and against eager vanilla (what compiling alone gives)
+                row["speedup"] = meas.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else None
+                row["speedup_vs_eager"] = meas.tokens_per_s / van.tokens_per_s if van.tokens_per_s > 0 else None
                 row["identical"] = None if m.name == VANILLA else identical(meas.first, van.first, sampling)
                 rows.append(row)
             if on_prompt is not None and done < len(built):
@@ -194,8 +216,10 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
     return result(len(built))
 
 
-def summarize(rows: list[dict], methods: list[str], greedy: bool) -> list[dict]:
-    """One row per method (definitions in the module docstring)."""
+def summarize(rows: list[dict], methods: list[str], greedy: bool, baselines: dict[str, str] | None = None) -> list[dict]:
+    """One row per method (definitions in the module docstring); baselines: {method: its vanilla row} (default:
+    eager vanilla for all)."""
+    baselines = baselines or {}
     def total_rate(method: str, prompts: set[str] | None = None) -> float:
         rs = [r for r in rows if r["method"] == method and (prompts is None or r["prompt_id"] in prompts)]
         wall = sum(r["wall_ms"] for r in rs) / 1e3
@@ -206,13 +230,18 @@ def summarize(rows: list[dict], methods: list[str], greedy: bool) -> list[dict]:
         rs = [r for r in rows if r["method"] == method]
         speedups = [r["speedup"] for r in rs if r["speedup"] is not None]
         rate = total_rate(method)
-        base = total_rate(VANILLA, {r["prompt_id"] for r in rs})  # vanilla on the prompts this method ran
+        ran = {r["prompt_id"] for r in rs}
+        base = total_rate(baselines.get(method, VANILLA), ran)  # its vanilla, on the prompts this method ran
+        eager = total_rate(VANILLA, ran)
         row = {
             "method": method,
+            "runtime": rs[0].get("runtime", "eager") if rs else None,
+            "baseline": baselines.get(method, VANILLA),
             "prompts": len(rs),
             "tau": statistics.fmean(taus) if (taus := [r["tau"] for r in rs if r["tau"] is not None]) else None,
             "tokens_per_s": rate,
             "speedup": rate / base if base > 0 else None,
+            "speedup_vs_eager": rate / eager if eager > 0 else None,
             "median_speedup": statistics.median(speedups) if speedups else None,
             "identical_rate": (statistics.fmean(bool(r["identical"]) for r in rs)
                                if greedy and method != VANILLA else None),
@@ -232,10 +261,11 @@ def format_table(summary: list[dict]) -> str:
     import pandas as pd
 
     cols = {"method": "method", "tau": "tau", "tokens_per_s": "tokens/s", "speedup": "speedup",
+            "speedup_vs_eager": "vs eager vanilla",
             "median_speedup": "median speedup", "identical_rate": "identical", "draft_ms": "draft ms",
             "verify_ms": "verify ms", "new_tokens": "tokens"}
     df = pd.DataFrame(summary).reindex(columns=list(cols)).rename(columns=cols)
-    fmt = {"tau": "{:.2f}", "tokens/s": "{:.1f}", "speedup": "{:.2f}x", "median speedup": "{:.2f}x",
+    fmt = {"tau": "{:.2f}", "tokens/s": "{:.1f}", "speedup": "{:.2f}x", "vs eager vanilla": "{:.2f}x", "median speedup": "{:.2f}x",
            "identical": "{:.0%}", "draft ms": "{:.0f}", "verify ms": "{:.0f}", "tokens": "{:.0f}"}
     for col, f in fmt.items():
         df[col] = [("-" if v is None or v != v else f.format(v)) for v in df[col]]
@@ -257,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude-data", default=None, metavar="DIR[,DIR]",
                    help="pass over the prompts these supernet.data folders were built from, e.g. a search's held-out "
                         "data (<cache>/runs/<target>-<scale>/heldout): a bench on prompts the search never saw")
+    p.add_argument("--runtimes", default="eager", metavar="eager[,compiled]",
+                   help="runtimes of our decoding loop; each runs vanilla and every draft, speed-ups are taken "
+                        "against vanilla on the same runtime (and against eager vanilla) (default: eager)")
     p.add_argument("--max-new-tokens", type=int, default=BenchConfig.max_new_tokens,
                    help=f"default: {BenchConfig.max_new_tokens}")
     p.add_argument("--repeats", type=int, default=BenchConfig.repeats,
@@ -279,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(
         target=args.target, drafts=tuple(d.strip() for d in args.drafts.split(",")), prompts=args.prompts,
         exclude_data=tuple(d.strip() for d in args.exclude_data.split(",")) if args.exclude_data else (),
-        max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=not args.no_warmup, tree=args.tree,
+        max_new_tokens=args.max_new_tokens, runtimes=tuple(r.strip() for r in args.runtimes.split(",")),
+        repeats=args.repeats, warmup=not args.no_warmup, tree=args.tree,
         tree_depth=args.tree_depth, top_k=args.top_k, total_tokens=args.total_tokens, candidates=args.candidates,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, dtype=args.dtype,
         cache_dir=str(args.cache_dir) if args.cache_dir else None, out=args.out,

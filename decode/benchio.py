@@ -22,17 +22,22 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from decode.arch import TreeSpec
 from decode.drafts.base import Draft
+from decode.errors import UserError
 from decode.loop.sampling import SamplingConfig
 from decode.loop.speculative import SpecResult, speculative_generate
 from decode.loop.tree import TreePolicy
 from decode.loop.vanilla import GenerationResult, vanilla_generate
 from decode.prompt import Prompt
 from decode.targets.target import TargetModel
+
+if TYPE_CHECKING:
+    from decode.hf_generate import HFSpec
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,11 @@ def policy_dict(policy: TreePolicy) -> dict:
     return d
 
 
+def vanilla_name(runtime: str) -> str:
+    """Vanilla decoding's row name on a runtime: "vanilla" (eager), "vanilla@compiled"."""
+    return VANILLA if runtime == "eager" else f"{VANILLA}@{runtime}"
+
+
 @dataclass(frozen=True)
 class Method:
     """Vanilla decoding (draft None) or speculative decoding with one draft and tree policy."""
@@ -71,6 +81,12 @@ class Method:
     draft: Draft | None = None
     policy: TreePolicy | None = None
     hf: "HFSpec | None" = None  # transformers' own generate (decode/hf_generate.py), the peer
+    runtime: str = "eager"  # our loop's runtime (decode/runtime/compiled.py); transformers' methods run their own
+
+    @property
+    def baseline(self) -> str:
+        """The vanilla method this one's speed-up is taken against: vanilla decoding on the same runtime."""
+        return vanilla_name(self.runtime) if self.hf is None else VANILLA
 
     @classmethod
     def transformers(cls, spec: str) -> "Method":
@@ -80,8 +96,8 @@ class Method:
         return cls(hf.name, hf=hf)
 
     @classmethod
-    def vanilla(cls) -> "Method":
-        return cls(VANILLA)
+    def vanilla(cls, runtime: str = "eager") -> "Method":
+        return cls(vanilla_name(runtime), runtime=runtime)
 
     def generate(self, target: TargetModel, prompt: Prompt, max_new_tokens: int,
                  sampling: SamplingConfig) -> GenerationResult:
@@ -91,6 +107,7 @@ class Method:
             if not sampling.greedy:
                 raise UserError(f"{self.name} is compared greedy only; drop --temperature")
             return hf_generate(target, prompt, max_new_tokens, self.hf)
+        target.use_runtime(self.runtime)
         if self.draft is None:
             return vanilla_generate(target, prompt, max_new_tokens, sampling)
         return speculative_generate(target, self.draft, prompt, max_new_tokens, sampling, self.policy)
@@ -103,10 +120,10 @@ class Method:
 
     def describe(self) -> dict:
         if self.hf is not None:
-            return {"method": self.name, "draft": None, "tree": None, "hf": vars(self.hf)}
+            return {"method": self.name, "draft": None, "tree": None, "hf": vars(self.hf), "runtime": "transformers"}
         if self.draft is None:
-            return {"method": self.name, "draft": None, "tree": None}
-        return {"method": self.name, "draft": self.draft.name, "tree": policy_dict(self.policy)}
+            return {"method": self.name, "draft": None, "tree": None, "runtime": self.runtime}
+        return {"method": self.name, "draft": self.draft.name, "tree": policy_dict(self.policy), "runtime": self.runtime}
 
 
 def _median(values: list[float]) -> float:
@@ -181,11 +198,16 @@ def identical(a: GenerationResult, b: GenerationResult, sampling: SamplingConfig
 
 def warm_up(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,
             sampling: SamplingConfig) -> None:
-    """One untimed generation per method (allocator, kernels, caches)."""
+    """One untimed generation per method (allocator, kernels, caches); on the compiled runtime also every tree
+    bucket the method may meet, so that nothing compiles in a timed run."""
     for m in methods:
         if m.supports(prompt):
             logger.info("warm-up: %s", m.name)
-            m.generate(target, prompt, max_new_tokens, sampling)
+            res = m.generate(target, prompt, max_new_tokens, sampling)
+            if m.runtime == "compiled" and m.hf is None:
+                sizes = getattr(res, "tree_sizes", None) or [1]
+                up_to = max(max(sizes), m.policy.spec.total_tokens + 1 if m.policy is not None else 1)
+                target.warm_buckets(up_to, m.draft.feature_layers if m.draft is not None else ())
 
 
 def measure(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,

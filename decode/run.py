@@ -15,11 +15,12 @@ import argparse
 import json
 import sys
 
-from decode.benchio import VANILLA, Method, check_tree_args, identical, make_policy, measure, warm_up
+from decode.benchio import Method, check_tree_args, identical, make_policy, measure, warm_up
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.errors import UserError
 from decode.loop.sampling import SamplingConfig
 from decode.loop.vanilla import check_max_new_tokens
+from decode.runtime.compiled import RUNTIMES
 from decode.targets.loader import load_target
 
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also run vanilla decoding, interleaved, and report the speed-up")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each method with --compare (default: 3)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="upper bound on generated tokens (default: 64)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="eager",
+                   help="eager (default) or compiled: a static KV cache, trees padded to fixed sizes and "
+                        "torch.compile'd target forwards, compiled in an untimed warm-up generation first")
     add_sampling_args(p)
     add_tree_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -85,29 +89,30 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     sampling = check_args(args)
     target = load_target(args.target, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
-    methods = [Method.vanilla()]
+    methods = [Method.vanilla(args.runtime)]
     if args.draft is not None:
         from decode.drafts import make_draft
 
         draft = make_draft(args.draft, target)
-        spec = Method(draft.name, draft, make_policy(draft, args.tree, tree_overrides(args), args.candidates))
+        spec = Method(draft.name, draft, make_policy(draft, args.tree, tree_overrides(args), args.candidates),
+                      runtime=args.runtime)
         methods = [methods[0], spec] if args.compare else [spec]
     prompt = target.build_prompt(args.prompt, args.image)
     repeats = args.repeats if args.compare else 1
-    if args.compare:
+    if args.compare or args.runtime == "compiled":  # compiling belongs to no timed run
         warm_up(target, prompt, methods, args.max_new_tokens, sampling)
     runs = measure(target, prompt, methods, args.max_new_tokens, sampling, repeats)
     main_m = runs[methods[-1].name]
     result = main_m.first
     out = {
-        "target": target.name, "mode": "speculative" if args.draft else VANILLA, **methods[-1].describe(),
+        "target": target.name, "mode": "speculative" if args.draft else "vanilla", **methods[-1].describe(),
         "text": result.text, **main_m.to_row(), "decode_ms": result.decode_s * 1e3,
         "prompt_tokens": prompt.length, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
         "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed},
     }
     out.pop("method")
     if args.compare:
-        van = runs[VANILLA]
+        van = runs[methods[0].name]
         out.update(vanilla_tokens_per_s=van.tokens_per_s, vanilla_wall_ms=van.wall_s * 1e3,
                    vanilla_new_tokens=van.new_tokens, speedup=main_m.tokens_per_s / van.tokens_per_s,
                    identical=identical(result, van.first, sampling))

@@ -31,20 +31,32 @@ FEATURES = (-1,)  # the loop always captures at least the draft's last-layer fea
 
 
 class _ContextCaches:
-    """One committed KV cache per context length, swapped into the target on demand."""
+    """One committed KV cache per context length, swapped into the target on demand. On the compiled runtime
+    the target has one static cache: prefilled once at the longest context, each case sets its committed
+    length (what follows is masked out, as in decoding)."""
 
     def __init__(self, target: TargetModel, contexts: tuple[int, ...]):
         self.target = target
         self.caches: dict[int, DynamicCache] = {}
+        self.static = target.runtime == "compiled"
+        if self.static:
+            target.prefill(synthetic_prompt(target, max(contexts)), feature_layers=FEATURES)
+            return
         for ctx in contexts:
             target.prefill(synthetic_prompt(target, ctx), feature_layers=FEATURES)
             self.caches[ctx] = target.cache
 
     def use(self, ctx: int) -> None:
+        if self.static:
+            self.target.static.set_length(ctx)
+            return
         self.target.cache = self.caches[ctx]
 
     def crop_to(self, ctx: int) -> None:
         """Drop whatever the timed call committed after the ctx prompt tokens."""
+        if self.static:
+            self.target.static.set_length(ctx)
+            return
         extra = self.target.cache.get_seq_length() - ctx
         if extra > 0:
             self.target.cache.crop(-extra)

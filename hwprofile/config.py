@@ -36,6 +36,7 @@ class ProfileConfig:
     plot: bool = True
     seed: int = 0
     cache_dir: str | None = None
+    runtime: str = "eager"  # the decoding runtime measured (decode/runtime/compiled.py): eager | compiled
 
     def to_dict(self) -> dict:
         return asdict(self)

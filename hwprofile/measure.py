@@ -61,13 +61,23 @@ def open_target(cfg: ProfileConfig) -> TargetModel:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     dev = pick_device(cfg.device)
-    return load_target(cfg.target, device=str(dev), dtype=pick_dtype(cfg.dtype, dev), cache_dir=cfg.cache_dir)
+    target = load_target(cfg.target, device=str(dev), dtype=pick_dtype(cfg.dtype, dev), cache_dir=cfg.cache_dir)
+    return target.use_runtime(cfg.runtime)
 
 
 def measure_profile(cfg: ProfileConfig, target: TargetModel | None = None, progress: bool = True) -> Profile:
     """A measured profile of cfg.target on this machine (cfg.hardware must be this machine)."""
     t0, load_before = time.perf_counter(), load_average()
-    target = target if target is not None else open_target(cfg)
+    if target is None:
+        return _measure(cfg, open_target(cfg), progress, t0, load_before)
+    previous = target.runtime  # a caller's target: measured on cfg's runtime, then handed back on its own
+    try:
+        return _measure(cfg, target.use_runtime(cfg.runtime), progress, t0, load_before)
+    finally:
+        target.use_runtime(previous)
+
+
+def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float, load_before) -> Profile:
     space = load_space(cfg, target)
     info = local_device(target.device)
     grids = default_grids(target.device.type, space, cfg.quick)
@@ -75,12 +85,13 @@ def measure_profile(cfg: ProfileConfig, target: TargetModel | None = None, progr
     logger.info("profiling %s on %s (%s, %d torch threads)", target.name, info.name, target.dtype, info.torch_threads)
 
     tables: dict[str, Table] = {}
-    tables.update(measure_target(target, grids, timer, progress))
+    # the op census (what roofline predictions re-price) counts eager ops; compiled graphs would re-trace under it
+    tables.update(measure_target(target, grids, timer, progress, with_census=target.runtime == "eager"))
     tables.update(measure_draft(target, space, grids, timer, progress))
     tables["overhead"], notes = measure_overhead(target, space, grids, timer, tables["scorer"], progress)
     profile = Profile(
         hardware=info.hardware, predicted=False, device=info.to_dict(), versions=versions(info),
-        dtype=str(target.dtype).removeprefix("torch."), runtime="eager",
+        dtype=str(target.dtype).removeprefix("torch."), runtime=target.runtime,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command_line(),
         target=target_info(target), space=space.to_dict(), config=cfg.to_dict(), grids=grids.to_dict(),
         tables=tables,

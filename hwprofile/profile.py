@@ -24,6 +24,7 @@ from pathlib import Path
 from decode.cli import add_target_args, run_cli, setup_logging
 from decode.errors import UserError
 from decode.paths import writable_file
+from decode.runtime.compiled import RUNTIMES
 from decode.targets.loader import pick_device
 from hwprofile.config import ProfileConfig
 from hwprofile.device import local_device
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", default=None, help="measured profile of this machine to calibrate --predict with")
     p.add_argument("--quick", action="store_true", help="tiny grid and few repeats (tests, smoke runs)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's default)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="eager",
+                   help="decoding runtime to measure: eager (default) or compiled (static cache, padded trees, "
+                        "torch.compile; default out profiles/<hardware>-<target>-compiled.json)")
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     return p
@@ -55,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> ProfileConfig:
     return ProfileConfig(hardware=args.hardware, target=args.target, dtype=args.dtype, device=args.device,
                          space=args.space, out=args.out, predict=args.predict, quick=args.quick,
                          calibration=args.calibration, threads=args.threads, plot=not args.no_plot,
-                         cache_dir=str(args.cache_dir) if args.cache_dir else None)
+                         cache_dir=str(args.cache_dir) if args.cache_dir else None, runtime=args.runtime)
 
 
 def run(cfg: ProfileConfig, progress: bool = True) -> tuple[Profile, Path]:
@@ -69,7 +73,11 @@ def run(cfg: ProfileConfig, progress: bool = True) -> tuple[Profile, Path]:
     if hardware != local.hardware and not cfg.predict:
         raise UserError(f"this machine is '{local.hardware}' ({local.name}), not '{hardware}': run on a {hardware} "
                         f"to measure it, or add --predict for a roofline prediction calibrated here")
-    out = writable_file(cfg.out if cfg.out else default_profile_path(hardware, cfg.target))  # before minutes of work
+    if cfg.predict and cfg.runtime != "eager":
+        raise UserError("--predict models the eager runtime only (its roofline has no compiled kernels); measure "
+                        "--runtime compiled on the device itself")
+    out = writable_file(cfg.out if cfg.out else default_profile_path(hardware, cfg.target,
+                                                                        runtime=cfg.runtime))  # before minutes of work
     cfg = replace(cfg, hardware=hardware, out=str(out))
     if cfg.predict:
         from hwprofile.predict import predict_profile
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     m = LatencyModel(profile)
     kind = f"predicted from {profile.calibrated_from['hardware']}" if profile.predicted else "measured"
-    print(f"{profile.hardware} / {profile.target_name} ({profile.dtype}, {kind}): target step "
+    print(f"{profile.hardware} / {profile.target_name} ({profile.dtype}, {profile.runtime}, {kind}): target step "
           f"{m.target_step_ms():.2f} ms, verify 8/32/64 tokens {m.verify_ms(8):.2f}/{m.verify_ms(32):.2f}/"
           f"{m.verify_ms(64):.2f} ms at context {m.default_context}")
     print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if cfg.plot else ""))

@@ -136,7 +136,8 @@ class Profile:
             raise UserError(f"profile '{path}': {err}") from None
 
 
-def default_profile_path(hardware: str, target: str, root: Path = Path("profiles")) -> Path:
-    """profiles/<hardware>-<target>.json (a target directory contributes its folder name)."""
+def default_profile_path(hardware: str, target: str, root: Path = Path("profiles"), runtime: str = "eager") -> Path:
+    """profiles/<hardware>-<target>.json, <hardware>-<target>-compiled.json for the compiled runtime (a target
+    directory contributes its folder name)."""
     name = Path(target).name if ("/" in target or target.startswith(".")) else target
-    return root / f"{hardware}-{name}.json"
+    return root / f"{hardware}-{name}{'' if runtime == 'eager' else '-' + runtime}.json"

@@ -27,6 +27,7 @@ from decode.drafts import make_draft
 from decode.errors import UserError
 from decode.loop.speculative import speculative_generate
 from decode.loop.vanilla import sync_device, vanilla_generate
+from decode.runtime.compiled import RUNTIMES
 from decode.targets.loader import load_target
 from hwprofile.measure import versions
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=25, help="operators listed per phase (default: 25)")
     p.add_argument("--out", default=None, help="JSON summary (default: print only)")
     p.add_argument("--chrome", default=None, help="also write Chrome traces, e.g. /tmp/trace.json (-vanilla/-speculative)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="eager",
+                   help="decoding runtime traced: eager (default) or compiled (static cache, padded trees, "
+                        "torch.compile; traced after an untimed compiling run)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
     return p
 
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1 or args.top < 1:
         raise UserError("--max-new-tokens and --top must be at least 1")
     target = load_target(args.target, device=args.device, dtype=args.dtype,
-                         cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+                         cache_dir=Path(args.cache_dir) if args.cache_dir else None).use_runtime(args.runtime)
     result = trace(target, args.draft, args.prompt, args.max_new_tokens, args.top,
                    Path(args.chrome) if args.chrome else None)
     for name, r in result.items():
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {row['self_cpu_ms']:9.2f} ms  {row['calls']:6d}x  {row['op']}")
     if args.out:
         doc = {"command": command_line(), "versions": versions(), "target": target.name, "draft": args.draft,
+               "runtime": target.runtime,
                "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""), "result": result}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

@@ -68,20 +68,24 @@ def check_profile(profile: Profile, path: Path, target: TargetModel, hardware: s
 
 def resolve_profile(target: TargetModel, hardware: str | None, profile: str | None, search_dirs: list[Path],
                     write_dir: Path, device: str = "auto", space: str | None = None, quick: bool = False,
-                    cache_dir: str | None = None) -> ProfileChoice:
-    """The profile to search with (see the module doc); makes one through hwprofile when none is stored."""
+                    cache_dir: str | None = None, runtime: str = "eager") -> ProfileChoice:
+    """The profile to search with (see the module doc); makes one through hwprofile when none is stored.
+    runtime: the decoding runtime the design is for; its profile (<hardware>-<target>[-compiled].json)."""
     local = local_hardware(device)
     if profile is not None:
         path = Path(profile)
         prof = Profile.load(path)
         check_profile(prof, path, target, hardware)
+        if prof.runtime != runtime:
+            raise UserError(f"profile {path} measured the {prof.runtime} runtime, not {runtime}; pass --runtime "
+                            f"{prof.runtime} or a profile of the {runtime} runtime")
         logger.info("hardware %s: profile %s (given, %s)", prof.hardware, path,
                     "predicted" if prof.predicted else "measured")
         return ProfileChoice(prof.hardware, path, "given", LatencyModel(prof))
     hardware = hardware or local
     check_hardware(hardware, local)
     for d in dict.fromkeys(search_dirs):  # ordered, without repeats
-        path = default_profile_path(hardware, target.name, d)
+        path = default_profile_path(hardware, target.name, d, runtime)
         if path.is_file():
             prof = Profile.load(path)
             check_profile(prof, path, target, hardware)
@@ -97,12 +101,16 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
     from hwprofile.config import ProfileConfig
     from hwprofile.profile import run as run_profile
 
-    path = default_profile_path(hardware, target.name, write_dir)
+    path = default_profile_path(hardware, target.name, write_dir, runtime)
     predict = hardware != local
+    if predict and runtime != "eager":
+        raise UserError(f"no measured {runtime}-runtime profile of {target.name} on {hardware} (looked for {path.name}), "
+                        f"and predictions model the eager runtime only; measure it there with python -m "
+                        f"hwprofile.profile --runtime {runtime}")
     logger.warning("hardware %s: no stored profile of %s usable here; %s one -> %s", hardware, target.name,
                    f"predicting (roofline, calibrated on this {local})" if predict else "measuring", path)
     cfg = ProfileConfig(hardware=hardware, target=target.name, device=device, space=space, out=str(path),
-                        predict=predict, quick=quick, cache_dir=cache_dir)
+                        predict=predict, quick=quick, cache_dir=cache_dir, runtime=runtime)
     prof, path = run_profile(cfg)
     check_profile(prof, path, target, hardware)
     return ProfileChoice(hardware, path, "predicted" if predict else "measured", LatencyModel(prof))

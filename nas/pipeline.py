@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -44,7 +45,7 @@ NAS_DEFAULTS = {"trials": 40, "heldout": 4, "quick_profile": False, "finetune_st
 class PipelineConfig:
     target: str = "smolvlm-135m"
     scale: str = "demo"
-    space: str | None = None  # None: "tiny" for tiny-* targets, else "default"
+    space: str | None = None  # None: "tiny" for tiny-* targets, else the scale's (supernet.train.scale_space)
     root: str | None = None  # None: default_cache_dir()/runs/<target>-<scale>
     device: str = "auto"
     dtype: str = "auto"
@@ -52,9 +53,9 @@ class PipelineConfig:
 
     @property
     def space_name(self) -> str:
-        from decode.space import default_space_name
+        from supernet.train import scale_space
 
-        return self.space if self.space is not None else default_space_name(self.target)
+        return self.space if self.space is not None else scale_space(self.scale, self.target)
 
     @property
     def run_dir(self) -> Path:
@@ -84,11 +85,24 @@ def _data_config(cfg: PipelineConfig, out: Path, **overrides):
                          "device": cfg.device, "dtype": cfg.dtype, "cache_dir": cfg.cache_dir})
 
 
-def _complete(out: Path) -> bool:
+def _complete(out: Path, config=None) -> bool:
+    """A finished data folder; with `config` (a DataConfig), one built with the same prompts, mode and lengths,
+    else it is removed (a cache made before the scale changed) and False."""
     from supernet.dataset import read_manifest
 
     manifest = read_manifest(out)
-    return manifest is not None and bool(manifest.get("complete"))
+    if manifest is None or not manifest.get("complete"):
+        return False
+    if config is not None:
+        have = manifest.get("config", {})
+        keys = ("prompts", "mode", "max_len", "max_new_tokens", "max_prompt_chars")
+        changed = [k for k in keys if k in have and have[k] != getattr(config, k)]
+        if changed:
+            logger.warning("%s was built with other settings than the scale's now (%s); building it again", out,
+                           ", ".join(f"{k} {have[k]!r} -> {getattr(config, k)!r}" for k in changed))
+            shutil.rmtree(out)
+            return False
+    return True
 
 
 @contextlib.contextmanager
@@ -112,12 +126,13 @@ def data_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
     from supernet.data import build_data
 
     out = cfg.run_dir / "data"
+    data_cfg = _data_config(cfg, out, split="train")
     with stage_lock(cfg, "data"):
-        if _complete(out):
+        if _complete(out, data_cfg):
             logger.info("data stage: reusing %s", out)
             return out
         logger.warning("data stage: building %s-scale features of %s -> %s", cfg.scale, cfg.target, out)
-        return build_data(_data_config(cfg, out, split="train"), target=target)
+        return build_data(data_cfg, target=target)
 
 
 def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
@@ -127,19 +142,20 @@ def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
 
     out = cfg.run_dir / "heldout"
     with stage_lock(cfg, "heldout"):
-        if _complete(out):
-            logger.info("held-out stage: reusing %s", out)
-            return out
-        logger.warning("held-out stage: building held-out features of %s -> %s", cfg.target, out)
         settings = nas_defaults(cfg.scale)["heldout_data"]
         # the entropy layer must be the supernet's: take it from the training data instead of calibrating again
         entropy = FeatureData(cfg.run_dir / "data").entropy_layer
-        return build_data(_data_config(cfg, out, **{**settings, "min_answer": 0}, split="heldout",
-                                       entropy_layer=entropy), target=target)
+        data_cfg = _data_config(cfg, out, **{**settings, "min_answer": 0}, split="heldout", entropy_layer=entropy)
+        if _complete(out, data_cfg):
+            logger.info("held-out stage: reusing %s", out)
+            return out
+        logger.warning("held-out stage: building held-out features of %s -> %s", cfg.target, out)
+        return build_data(data_cfg, target=target)
 
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     """The trained supernet checkpoint; skipped when it reached the scale's final step, resumed when short."""
+    from decode.space import SearchSpace
     from supernet.checkpoint import STATE, recover
     from supernet.train import TrainConfig, scale_defaults, train
 
@@ -152,6 +168,11 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     with stage_lock(cfg, "supernet"):
         if recover(ck):
             logger.warning("supernet stage: %s restored after an interrupted save", ck)
+        if (ck / STATE).is_file() and json.loads((ck / STATE).read_text()).get("space") != \
+                SearchSpace.load(train_cfg.space).to_dict():  # e.g. a cache made before the scale changed space
+            logger.warning("supernet stage: %s was trained on another search space than the %s scale's (%s); "
+                           "training a new one", ck, cfg.scale, train_cfg.space)
+            shutil.rmtree(ck)
         if (ck / STATE).is_file():
             step = int(json.loads((ck / STATE).read_text()).get("step", 0))
             if step >= train_cfg.steps:
@@ -165,7 +186,7 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
 
 
 def profile_stage(cfg: PipelineConfig, target: TargetModel, hardware: str | None, quick: bool,
-                  stored: Path = Path("profiles")):
+                  stored: Path = Path("profiles"), runtime: str = "eager"):
     """The latency profile of `hardware` for the target: a stored one (under `stored`, then this run's
     profiles/), else measured here or predicted, written to run_dir/profiles. -> nas.hardware.ProfileChoice."""
     from nas.hardware import resolve_profile
@@ -173,7 +194,7 @@ def profile_stage(cfg: PipelineConfig, target: TargetModel, hardware: str | None
     own = cfg.run_dir / "profiles"
     with stage_lock(cfg, "profile"):
         return resolve_profile(target, hardware, None, [stored, own], own, device=cfg.device, space=cfg.space_name,
-                               quick=quick, cache_dir=cfg.cache_dir)
+                               quick=quick, cache_dir=cfg.cache_dir, runtime=runtime)
 
 
 def prepare(cfg: PipelineConfig, target: TargetModel, heldout: bool = True) -> tuple[Path, Path | None]:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from decode.cli import run_cli, setup_logging
 from decode.errors import UserError
 from decode.paths import writable_dir
+from decode.runtime.compiled import RUNTIMES
 from nas.objective import TREE_MODES
 from nas.study import SAMPLERS
 
@@ -60,6 +61,7 @@ class SearchConfig:
     target: str | None = None  # None: the supernet's target, or the default target
     supernet: str | None = None  # None: the pipeline (cache folder, built when missing)
     profile: str | None = None
+    runtime: str = "eager"  # decoding runtime the design is for: its profile prices the designs
     profile_dir: str = "profiles"  # where stored profiles are looked up (and, with --supernet, new ones written)
     space: str | None = None  # None: the supernet's own space
     trials: int | None = None  # None: the scale's default (40 at demo scale)
@@ -171,11 +173,12 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     held = heldout_sequences(target, supernet, state, heldout_data, n_heldout, space)
     quick = bool(defaults["quick_profile"])
     if cfg.profile is None and cfg.supernet is None:  # the pipeline: new profiles go to its run folder
-        choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir))
+        choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir), cfg.runtime)
     else:  # a profile made now belongs to this search's output folder, never to the checkout's profiles/
         own = out_dir(cfg, cfg.hardware or local_hardware(cfg.device), target.name) / "profiles"
         choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir), own], own,
-                                 device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir)
+                                 device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir,
+                                 runtime=cfg.runtime)
     warn_extrapolation(choice.latency, space)
     n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
     trial_seqs = trial_subset(held.sequences, n_trial or None)
@@ -440,18 +443,20 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     draft = command = bench = None
     if cfg.export:
         meta = {"predicted": {k: chosen.get(k) for k in ("tau", "tau_ci95", "speedup", "cycle_ms", "verify_tokens")},
-                "kind": chosen["kind"], "kinds": rows, "hardware": choice.hardware,
+                "kind": chosen["kind"], "kinds": rows, "hardware": choice.hardware, "runtime": cfg.runtime,
                 "profile": {**choice.describe(), "how": choice.how}, "study": study_name,
                 "trial": best["number"] if best and chosen.get("arch") == best.get("arch") else None,
                 "storage": url, "supernet": setup["supernet"], "heldout": held.source,
                 "heldout_approximate": held.approximate, "context": objective.context, "search": asdict(cfg)}
         draft = export_best(cfg, inp, chosen, meta, out)
+        runtime = ["--runtime", cfg.runtime] if cfg.runtime != "eager" else []
         command = shlex.join(["python", "-m", "decode.run", "--target", target.name, "--draft", str(draft), "--prompt",
-                              EXAMPLE_PROMPT, "--compare"])  # quoted: a path with spaces copy-pastes
+                              EXAMPLE_PROMPT, "--compare", *runtime])  # quoted: a path with spaces copy-pastes
         bench = shlex.join(["python", "-m", "decode.bench", "--target", target.name, "--drafts",
                             f"{draft},prompt-lookup,hf-compiled", "--prompts", "sharegpt:10,images:3",
                             *(["--exclude-data", held.directory] if held.directory else []),
-                            "--max-new-tokens", "64", "--repeats", "2"])
+                            "--max-new-tokens", "64", "--repeats", "2",
+                            *(["--runtimes", f"eager,{cfg.runtime}"] if runtime else [])])
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
                "draft": str(draft) if draft else None, "command": command, "bench_command": bench,
@@ -475,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--supernet", default=None, help="supernet checkpoint (default: the pipeline's, built if missing)")
     p.add_argument("--profile", default=None, help="latency profile JSON (default: stored, measured or predicted)")
     p.add_argument("--profile-dir", default=d.profile_dir, help=f"stored profiles (default: {d.profile_dir})")
+    p.add_argument("--runtime", choices=RUNTIMES, default=d.runtime,
+                   help="decoding runtime the draft is designed for: eager (default) or compiled (static cache, "
+                        "padded trees, torch.compile); the search prices designs with that runtime's profile")
     p.add_argument("--space", default=None, help="search space YAML or name (default: the supernet's space)")
     p.add_argument("--trials", type=int, default=None,
                    help="new archs to score now; re-proposed archs are answered from the cache and not counted "
@@ -531,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         study_name=args.study_name, sampler=args.sampler, out=args.out, seed=args.seed, heldout=args.heldout,
         heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
         pareto=args.pareto, tree=args.tree, sweep_cache=args.sweep_cache, context=args.context, scale=args.scale,
-        finetune_steps=args.finetune_steps, trial_sequences=args.trial_sequences,
+        finetune_steps=args.finetune_steps, trial_sequences=args.trial_sequences, runtime=args.runtime,
         export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     res = run_search(cfg)
     print(f"study {res.study_name} ({res.storage}): {res.trials_run} trials run, {res.total_complete} finished in all")

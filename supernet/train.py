@@ -107,6 +107,18 @@ def scale_defaults(scale: str, section: str) -> dict:
     return dict((yaml.safe_load(file.read_text()) or {}).get(section, {}))
 
 
+def scale_space(scale: str, target: str) -> str:
+    """The search space a scale trains when none is named: tiny for the tiny-* test targets, else the scale's
+    top-level `space` (configs/scale/<scale>.yaml: the demo's is compact, sized for its few hundred steps),
+    else default."""
+    name = default_space_name(target)
+    if name != "default":
+        return name
+    scale_defaults(scale, "train")  # an unknown scale is a one-line error
+    raw = yaml.safe_load((config_dir("scale") / f"{scale}.yaml").read_text()) or {}
+    return str(raw.get("space") or name)
+
+
 def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig, elapsed_s: float = 0.0):
     """(role, arch) pairs for this step: largest, smallest, then random ones seeded by (seed, step).
 
@@ -290,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(p)
     p.add_argument("--data", required=True, help="feature data directory from supernet.data")
     p.add_argument("--space", default=None, help="search space: a name in configs/space or a YAML file (default: "
-                   "tiny for tiny-* targets, else default)")
+                   "tiny for tiny-* targets, else the scale's: compact at demo scale, default otherwise)")
     p.add_argument("--scale", default="demo", help="preset in configs/scale (demo|full); flags below override it")
     p.add_argument("--out", default=None, help="output directory (default: out/supernet-<target>-<scale>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -308,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     base = scale_defaults(args.scale, "train")
     cfg = TrainConfig(target=args.target, data=args.data, out=args.out or f"out/supernet-{Path(args.target).name}-{args.scale}",
-                      space=args.space or default_space_name(args.target), scale=args.scale, device=args.device,
+                      space=args.space or scale_space(args.scale, args.target), scale=args.scale, device=args.device,
                       dtype=args.dtype, resume=args.resume)
     known = {f.name for f in fields(TrainConfig)}
     cfg = replace(cfg, **{k: v for k, v in base.items() if k in known})

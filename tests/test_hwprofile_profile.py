@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import single_thread
+
 from decode.arch import DraftArch
 from decode.errors import UserError
 from hwprofile.latency import LatencyModel, tree_tokens

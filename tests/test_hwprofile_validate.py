@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import single_thread
+
 from decode.errors import UserError
 from hwprofile.profile import main as profile_main
 from hwprofile.validate import main as validate_main

@@ -19,9 +19,10 @@ from conftest import single_thread, tiny_target
 from safetensors.torch import load_file
 
 from configs import config_dir
+from decode.space import SearchSpace
 from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data
-from supernet.train import TrainConfig, build_parser, config_from_args, scale_defaults, train
+from supernet.train import TrainConfig, build_parser, config_from_args, scale_defaults, scale_space, train
 
 TARGET = "tiny-llava"
 SCALES = sorted(p.stem for p in config_dir("scale").glob("*.yaml"))
@@ -48,6 +49,22 @@ def test_scale_files_give_valid_settings(scale, tmp_path):
     assert train_keys <= {f.name for f in fields(TrainConfig)}, train_keys
     cfg = config_from_args(build_parser().parse_args(["--data", str(tmp_path), "--scale", scale]))
     assert cfg.scale == scale and cfg.loss in ("topk", "full")
+    SearchSpace.load(cfg.space)  # the scale's space exists
+    assert scale_space(scale, "tiny-llava") == "tiny"  # tiny targets keep the tiny space whatever the scale
+
+
+def test_the_demo_scale_trains_the_compact_space_everywhere():
+    """supernet.train, supernet.data and the nas.search pipeline agree on the scale's space (compact at demo,
+    default at cpu scale), and the pipeline retrains a cached supernet of another space instead of reusing it."""
+    from nas.pipeline import PipelineConfig
+
+    assert scale_space("demo", "smolvlm-135m") == "compact" and scale_space("cpu", "smolvlm-135m") == "default"
+    assert PipelineConfig(scale="demo").space_name == "compact"
+    assert config_from_args(build_parser().parse_args(["--data", "d", "--scale", "demo"])).space == "compact"
+    assert config_from_args(build_parser().parse_args(["--data", "d", "--scale", "demo", "--space", "eagle"])).space \
+        == "eagle"
+    compact, default = SearchSpace.load("compact"), SearchSpace.load("default")
+    assert compact.feature_layers == default.feature_layers  # the same stored layers: demo data stays valid
 
 
 def test_full_recipe_runs_a_few_hundred_steps_on_a_tiny_target(data_dir, tmp_path):
@@ -134,3 +151,32 @@ def test_library_configs_default_to_the_targets_own_space():
     assert DataConfig(target="smolvlm-135m").space == "default"
     assert TrainConfig(target="tiny-llava", data="d", out="o").space == "tiny"
     assert TrainConfig(target="smolvlm-135m", data="d", out="o", space="eagle").space == "eagle"
+
+
+def test_pipeline_retrains_a_cached_supernet_of_another_space(tmp_path, monkeypatch):
+    import supernet.train as train_mod
+    from nas.pipeline import PipelineConfig, supernet_stage
+
+    cfg = PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
+    ck = tmp_path / "supernet" / "checkpoint"
+    ck.mkdir(parents=True)
+    state = {"step": 10**6, "space": SearchSpace.load("tiny").to_dict()}
+    (ck / ckpt.STATE).write_text(json.dumps(state))
+    calls = []
+    monkeypatch.setattr(train_mod, "train", lambda c: calls.append(c) or ck)
+    assert supernet_stage(cfg, tmp_path / "data") == ck and not calls  # its own space, trained: reused
+    (ck / ckpt.STATE).write_text(json.dumps({**state, "space": SearchSpace.load("default").to_dict()}))
+    supernet_stage(cfg, tmp_path / "data")
+    assert len(calls) == 1 and calls[0].space == "tiny" and not calls[0].resume  # trained anew, not resumed
+
+
+def test_pipeline_rebuilds_a_cached_data_folder_made_with_other_prompts(tmp_path):
+    from nas.pipeline import _complete
+
+    out = tmp_path / "heldout"
+    out.mkdir()
+    cfg = DataConfig(target="tiny-llava", prompts="sharegpt:12", out=str(out))
+    (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {"prompts": "sharegpt:12"}}))
+    assert _complete(out, cfg) and out.is_dir()
+    (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {"prompts": "sharegpt:8"}}))
+    assert not _complete(out, cfg) and not out.exists()  # removed: the stage builds it again

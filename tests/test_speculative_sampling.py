@@ -161,6 +161,25 @@ def test_speculative_sampling_matches_target_joint(setup, draft_name, tree, cand
     assert stat < chi2_critical(df), (stat, df)
 
 
+@pytest.mark.parametrize("draft_name,tree,candidates", [("sharp-full", "static:3,1", "sample"),
+                                                         ("prompt-lookup", "dynamic", "topk")])
+def test_speculative_sampling_on_the_compiled_runtime_matches_target_joint(setup, draft_name, tree, candidates):
+    """The same statistic with the target on the compiled runtime (static cache, padded trees, inductor),
+    against the joint distribution computed on the eager runtime."""
+    target, prompt, cfg, keys, probs = setup
+    draft = SharpFullDraft(target) if draft_name == "sharp-full" else PromptLookupDraft()
+    policy = TreePolicy.parse(tree, TreeSpec(2, 3, 6), candidates)
+    target.use_runtime("compiled")
+    try:
+        counts = _joint_counts(target, prompt, draft, cfg, policy, 1200, keys)
+    finally:
+        target.use_runtime("eager")
+    assert counts[-1] == 0
+    stat, df = chi2_statistic(counts, probs)
+    assert df >= 5
+    assert stat < chi2_critical(df), (stat, df)
+
+
 def test_wrong_rule_fails_end_to_end(setup, monkeypatch):
     """Same statistic with a wrong acceptance rule in the loop: must be rejected."""
     target, prompt, cfg, keys, probs = setup

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ALL_PRESETS, tiny_prompt, tiny_target
 
 # a branching tree of 8 nodes: two children of the root, grandchildren, one depth-3 leaf

@@ -27,10 +27,10 @@ def _first_tensor(output: object) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output  # type: ignore[return-value]
 
 
-@contextmanager
-def capture_hidden(decoder: nn.Module, layers: tuple[int, ...], num_layers: int) -> Iterator[dict[int, torch.Tensor]]:
-    """Yield a dict that fills with {requested index: (B, T, H) hidden state} during forwards."""
-    store: dict[int, torch.Tensor] = {}
+def register_capture(decoder: nn.Module, layers: tuple[int, ...], num_layers: int,
+                     store: dict[int, torch.Tensor]) -> list:
+    """Forward hooks that put {requested index: (B, T, H) hidden state} into `store` on every forward;
+    -> their handles (remove them to stop)."""
     handles = []
     blocks = decoder.layers
     for req in dict.fromkeys(layers):  # de-duplicated, order kept
@@ -49,6 +49,14 @@ def capture_hidden(decoder: nn.Module, layers: tuple[int, ...], num_layers: int)
                 store[req] = _first_tensor(output)
 
             handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+@contextmanager
+def capture_hidden(decoder: nn.Module, layers: tuple[int, ...], num_layers: int) -> Iterator[dict[int, torch.Tensor]]:
+    """Yield a dict that fills with {requested index: (B, T, H) hidden state} during forwards."""
+    store: dict[int, torch.Tensor] = {}
+    handles = register_capture(decoder, layers, num_layers, store)
     try:
         yield store
     finally:

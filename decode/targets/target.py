@@ -102,6 +102,32 @@ class TargetModel:
         self.cache: DynamicCache | None = None
         self._offset = 0  # rotary position of committed cache index 0
         self._tree: tuple[int, torch.Tensor] | None = None  # (past_len, (N,N) ancestor mask) awaiting keep()
+        self.runtime = "eager"  # eager | compiled (decode/runtime/compiled.py: static cache, padded trees)
+        self._static = None  # the compiled runtime's StaticRunner, made on first use
+
+    def use_runtime(self, runtime: str) -> "TargetModel":
+        """eager: a growing DynamicCache, each tree at its own size. compiled: one static cache reused by every
+        prompt, trees padded to buckets, torch.compile'd tree forwards (decode/runtime/compiled.py)."""
+        from decode.runtime.compiled import check_runtime
+
+        self.runtime = check_runtime(runtime)
+        self.cache, self._tree = None, None
+        return self
+
+    def warm_buckets(self, up_to: int, feature_layers: tuple[int, ...] = ()) -> list[int]:
+        """Compiled runtime, after a prefill: compile the tree forwards of every bucket up to `up_to` tokens now
+        (decode/runtime/compiled.py); the cache keeps its committed entries. -> the buckets compiled."""
+        if self.runtime != "compiled" or self.cache is None or self._tree is not None:
+            return []
+        return self.static.warm_buckets(up_to, feature_layers, self.seq_len, self._offset)
+
+    @property
+    def static(self):
+        if self._static is None:
+            from decode.runtime.compiled import StaticRunner
+
+            self._static = StaticRunner(self)
+        return self._static
 
     # ----------------------------------------------------------------- identity
     @property
@@ -151,7 +177,7 @@ class TargetModel:
         """Number of committed tokens in the KV cache (tentative tree tokens excluded)."""
         if self.cache is None:
             return 0
-        return self._tree[0] if self._tree is not None else self.cache.get_seq_length()
+        return self._tree[0] if self._tree is not None else int(self.cache.get_seq_length())
 
     # ----------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -163,7 +189,8 @@ class TargetModel:
         all_logits: bool = False,
     ) -> PrefillOutput:
         """Run the whole prompt (image included) through the full model; start a fresh cache."""
-        self.cache = DynamicCache()  # no config: every layer a plain full-length DynamicLayer
+        # no config: every layer a plain full-length DynamicLayer; the compiled runtime reuses its static cache
+        self.cache = self.static.reset(prompt.length) if self.runtime == "compiled" else DynamicCache()
         self._tree = None
         if self.spec.mrope:
             self.model.model.rope_deltas = None  # stale deltas from an earlier prompt must not leak in
@@ -299,8 +326,12 @@ class TargetModel:
         if tree_mask.shape != (n, n):
             raise ValueError(f"tree_mask must be ({n}, {n}), got {tuple(tree_mask.shape)}")
         depths = depths_from_mask(tree_mask)
-        past = self.cache.get_seq_length()
-        out = self._run_decoder(tokens, tree_mask, depths, depths, self.cache, past, feature_layers)
+        past = int(self.cache.get_seq_length())
+        if self.runtime == "compiled":
+            logits, hidden = self.static.forward_tree(tokens, tree_mask, depths, past, self._offset, feature_layers)
+            out = TreeOutput(logits=logits, hidden=hidden)
+        else:
+            out = self._run_decoder(tokens, tree_mask, depths, depths, self.cache, past, feature_layers)
         self._tree = (past, tree_mask)
         return out
 
@@ -316,10 +347,16 @@ class TargetModel:
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"a layer prefix needs 1 <= K <= {self.num_layers}, got {num_layers}")
         cache = DynamicCache()
-        for layer in self.cache.layers[:num_layers]:
+        for keys, values in self._committed_kv(num_layers):
             cache.layers.append(DynamicLayer())
-            cache.layers[-1].update(layer.keys, layer.values)  # torch.cat into the new layer: a copy
+            cache.layers[-1].update(keys, values)  # torch.cat into the new layer: a copy
         return cache
+
+    def _committed_kv(self, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) of the committed entries of the first num_layers layers (views)."""
+        if self.runtime == "compiled":
+            return self.static.committed(num_layers, self.seq_len)
+        return [(layer.keys, layer.values) for layer in self.cache.layers[:num_layers]]
 
     @torch.no_grad()
     def forward_prefix(
@@ -366,6 +403,9 @@ class TargetModel:
         # cache instead copied all committed KV of every layer each cycle: 4.7 ms against 1.4 ms per cycle for the
         # default target at context 480 on 2 CPU cores (a 58 ms step).
         m, src = idx.numel(), past + idx
+        if self.runtime == "compiled":
+            self.static.commit(past, src)
+            return
         moved = not bool((idx == torch.arange(m, device=self.device)).all())
         if not moved and m == n:
             return  # the whole tree was a chain and all of it is accepted

@@ -1,0 +1,195 @@
+"""The compiled runtime: a static KV cache, trees padded to fixed buckets, torch.compile'd target forwards.
+
+The eager runtime (TargetModel's default) grows a DynamicCache by concatenation and runs every tree at
+its own size, so each cycle has new shapes and the host does a little work per layer. Here:
+
+- the target's KV cache is allocated once per TargetModel (`max_len` positions, every layer a full
+  StaticLayer; sliding windows still come from the masks) and reused by every prompt at the same
+  addresses; a prompt that would not leave ANSWER_ROOM positions free doubles it (one recompilation).
+  Attention spans all max_len positions every step (masked), so the cache is kept as short as prompts allow. A tree's N tokens are written at committed..committed+B-1 (B = N padded to a bucket),
+  committing the accepted path is an in-place copy of its m entries to committed..committed+m-1, and
+  entries beyond the committed length are stale but always masked out;
+- a tree of N nodes runs as B >= N tokens (buckets 1, 2, 4, 8, ...): the B - N dummy nodes attend only
+  to themselves and their outputs are dropped, so they never change a token (tested);
+- the decoder forward + LM head of one bucket is one torch.compile graph (inductor on a CPU, CUDA graphs
+  through mode "reduce-overhead" on a GPU); positions, masks and cache writes are tensors, so the
+  committed length changes nothing but their values: one compilation per (bucket, feature layers), in
+  the untimed warm-up, none per cycle.
+
+The prefill stays eager (one call per prompt, its own length). Drafts keep their own eager forwards.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from decode.errors import UserError
+from decode.loop.tree_mask import additive_mask, tree_attention_allowed
+from decode.targets.capture import register_capture
+
+RUNTIMES = ("eager", "compiled")
+STATIC_LEN = 1024  # positions of the static cache at first: prompt + answer + one padded tree
+ANSWER_ROOM = 384  # positions a prefill leaves free for the answer and its trees (else the cache grows)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+RECOMPILE_LIMIT = 256
+
+
+def bucket(n: int) -> int:
+    """The padded size of an n-node tree: the smallest bucket >= n (then multiples of 128)."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // BUCKETS[-1]) * BUCKETS[-1]
+
+
+def check_runtime(name: str) -> str:
+    if name not in RUNTIMES:
+        raise UserError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {name!r}")
+    return name
+
+
+def graph_count() -> int:
+    """Graphs torch.compile has built in this process (dynamo's counter): a recompilation adds one."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class StaticRunner:
+    """The compiled tree forward of one TargetModel over its static cache."""
+
+    def __init__(self, target, max_len: int = STATIC_LEN, mode: str | None = None):
+        self.target = target
+        self.limit = int(getattr(target.text_config, "max_position_embeddings", 0) or 1 << 20)
+        self._allocate(max_len)
+        if mode is None:
+            mode = "reduce-overhead" if target.device.type == "cuda" else None
+        # one graph per (bucket, feature layers, target): dynamo's default limit of 8 graphs per function would
+        # silently fall back to eager after the 8th
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        self._compiled = torch.compile(self._forward, dynamic=False, mode=mode)
+        self._graphs = mode == "reduce-overhead"  # CUDA graphs: outputs live in buffers the next replay overwrites
+        # hidden-state hooks stay registered between calls (registering them inside the compiled function would
+        # break its graph; new hooks on every call would recompile it): re-registered only when the layers change
+        self._store: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        self._hooked: tuple[int, ...] | None = None
+
+    def _capture(self, feature_layers: tuple[int, ...]) -> None:
+        if feature_layers == self._hooked:
+            return
+        for h in self._hooks:
+            h.remove()
+        t = self.target
+        self._hooks = register_capture(t.decoder, feature_layers, t.num_layers, self._store)
+        self._hooked = feature_layers
+
+    # ------------------------------------------------------------------ cache
+    def _allocate(self, max_len: int) -> None:
+        self.max_len = min(max_len, self.limit)
+        self.cache = Cache(layers=[StaticLayer(max_cache_len=self.max_len) for _ in range(self.target.num_layers)])
+
+    def reset(self, prompt_len: int = 0) -> Cache:
+        """An empty cache for a new prompt of prompt_len tokens: the same tensors, lengths back to 0 (stale
+        entries stay masked); doubled first when the prompt would leave less than ANSWER_ROOM positions."""
+        if prompt_len + ANSWER_ROOM > self.max_len and self.max_len < self.limit:
+            size = self.max_len
+            while size < prompt_len + ANSWER_ROOM:
+                size *= 2
+            self._allocate(size)  # new tensors: the graphs recompile once for them
+        for layer in self.cache.layers:
+            layer.cumulative_length.zero_()
+        return self.cache
+
+    def set_length(self, n: int) -> None:
+        """Every layer's next write goes to position n (in place: the compiled graphs hold these addresses)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(n)
+
+    def commit(self, past: int, src: torch.Tensor) -> None:
+        """Copy the cache entries at positions `src` (m,) to past..past+m-1 in every layer; the length becomes
+        past + m. Only the accepted path moves: a few rows per layer."""
+        m = src.numel()
+        dst = torch.arange(past, past + m, device=src.device)
+        if not bool((src == dst).all()):
+            for layer in self.cache.layers:
+                layer.keys.index_copy_(-2, dst, layer.keys.index_select(-2, src))
+                layer.values.index_copy_(-2, dst, layer.values.index_select(-2, src))
+        self.set_length(past + m)
+
+    def committed(self, num_layers: int | None = None, length: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) views of the first `length` entries of the first num_layers layers."""
+        layers = self.cache.layers[: num_layers or len(self.cache.layers)]
+        return [(layer.keys[..., :length, :], layer.values[..., :length, :]) for layer in layers]
+
+    def warm_buckets(self, up_to: int, feature_layers: tuple[int, ...], past: int, offset: int) -> list[int]:
+        """Compile every bucket up to bucket(up_to) now, so that no tree size met later compiles in a timed run:
+        dummy chains written after the `past` committed entries (a prefilled cache) and dropped. -> the buckets."""
+        done = []
+        for b in BUCKETS:
+            if b > bucket(up_to) or past + b > self.max_len:
+                break
+            dev = self.target.device
+            chain = torch.ones(b, b, dtype=torch.bool, device=dev).tril()
+            self.forward_tree(torch.zeros(b, dtype=torch.long, device=dev), chain, torch.arange(b, device=dev), past,
+                              offset, feature_layers)
+            done.append(b)
+        self.set_length(past)
+        return done
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, tokens: torch.Tensor, mask, positions: torch.Tensor, feature_layers: tuple[int, ...]):
+        t = self.target
+        out = t.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
+                        use_cache=True)
+        # popped, not read: the store is empty whenever the graph starts (its guards check that dict)
+        return t._head(out.last_hidden_state[0]), {k: self._store.pop(k)[0] for k in feature_layers}
+
+    def forward_tree(self, tokens: torch.Tensor, tree_mask: torch.Tensor, depths: torch.Tensor, past: int,
+                     offset: int, feature_layers: tuple[int, ...]):
+        """N tree tokens (N,), their (N, N) ancestor mask and depths after `past` committed entries ->
+        ((N, V) logits, {layer: (N, H)}), through the compiled graph of N's bucket."""
+        t = self.target
+        n = tokens.numel()
+        b = bucket(n)
+        if past + b > self.max_len:
+            raise UserError(f"the compiled runtime's static cache holds {self.max_len} positions and this generation "
+                            f"needs {past + b}; shorten the prompt or --max-new-tokens, or use --runtime eager")
+        dev = t.device
+        pad = b - n
+        tok = torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens
+        tent = torch.eye(b, dtype=torch.bool, device=dev)  # dummy nodes see only themselves
+        tent[:n, :n] = tree_mask
+        dep = torch.cat([depths, depths.new_zeros(pad)]) if pad else depths
+        positions = (past + offset + dep)[None]  # (1, B)
+        if t.spec.mrope:
+            positions = positions[None].expand(3, 1, b)
+        mask = self._mask(tent, dep, past)
+        self.set_length(past)
+        feature_layers = tuple(dict.fromkeys(feature_layers))
+        self._capture(feature_layers)
+        self._store.clear()  # eager forwards (the prefill) fire these hooks too
+        with torch.no_grad():  # the graphs are built without autograd; a caller with grad on must not add others
+            logits, hidden = self._compiled(tok[None], mask, positions, feature_layers)
+        if self._graphs:  # the draft keeps path features past the next forward: copy them out of the graph's buffers
+            return logits[:n].clone(), {k: v[:n].clone() for k, v in hidden.items()}
+        return logits[:n], {k: v[:n] for k, v in hidden.items()}
+
+    def _mask(self, tent: torch.Tensor, depths: torch.Tensor, past: int):
+        """(1, 1, B, max_len) additive masks (one per layer type for hybrid models) over the whole static cache."""
+        t = self.target
+        cfg = t.text_config
+
+        def build(window: int | None) -> torch.Tensor:
+            allowed = tree_attention_allowed(tent, depths, depths, past, window)  # (B, past + B)
+            full = allowed.new_zeros(allowed.shape[0], self.max_len)
+            full[:, : allowed.shape[1]] = allowed
+            return additive_mask(full, t.dtype)[None, None]
+
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types:
+            return {k: build(cfg.sliding_window if k == "sliding_attention" else None) for k in set(layer_types)}
+        return build(getattr(cfg, "sliding_window", None))

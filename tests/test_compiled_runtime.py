@@ -1,0 +1,143 @@
+"""The compiled runtime (decode/runtime/compiled.py): static cache, padded trees, torch.compile (CPU inductor).
+
+Greedy output must equal eager vanilla decoding token for token for every draft kind and tree kind; the
+static cache after a speculative run must hold what a dynamic cache of eager decoding holds; and after the
+warm-up no tree size compiles again. (Sampling exactness on this runtime: tests/test_speculative_sampling.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import single_thread, tiny_prompt, tiny_target
+
+from decode.arch import TreeSpec
+from decode.drafts import LayerSkipDraft, MergedDraft, PromptLookupDraft, make_draft
+from decode.loop.speculative import speculative_generate
+from decode.loop.tree import TreePolicy
+from decode.loop.vanilla import vanilla_generate
+from decode.runtime.compiled import BUCKETS, bucket, graph_count
+
+TEXT = "the cat sat on the mat and the cat sat on the"
+
+
+@pytest.fixture(autouse=True)
+def _eager_afterwards():
+    """tiny_target() objects are shared by the whole session: hand them back on the default runtime."""
+    yield
+    for name in ("tiny-llava", "tiny-gemma3-text", "tiny-llama"):
+        tiny_target(name).use_runtime("eager")
+
+
+def _drafts(target):
+    """(label, draft, policy): every draft kind, over dynamic, chain and static trees."""
+    concat = make_draft("random:concat", target)
+    return [
+        ("prompt-lookup", PromptLookupDraft(), None),
+        ("neural concat, dynamic", concat, TreePolicy(spec=TreeSpec(3, 3, 12))),
+        ("neural cross, static", make_draft("random:cross", target), TreePolicy.parse("static:3,2", TreeSpec(2, 3, 9))),
+        ("layerskip, chain", LayerSkipDraft(1), TreePolicy.parse("chain", TreeSpec(3, 1, 3))),
+        ("neural + lookup", MergedDraft(concat), None),
+    ]
+
+
+# every draft and tree kind on a VLM; the target-side cases (sliding-window layers, softcapped logits) on Gemma 3
+@pytest.mark.parametrize("family,kinds", [("tiny-llava", 5), ("tiny-gemma3-text", 2)])
+def test_compiled_runtime_is_token_identical_for_every_draft_kind(family, kinds):
+    target = tiny_target(family)
+    prompt = tiny_prompt(target, TEXT)
+    with single_thread():
+        ref = vanilla_generate(target, prompt, 24).tokens
+        target.use_runtime("compiled")
+        assert vanilla_generate(target, prompt, 24).tokens == ref
+        padded = 0
+        for label, draft, policy in _drafts(target)[:kinds]:
+            res = speculative_generate(target, draft, prompt, 24, policy=policy)
+            assert res.tokens == ref, label
+            padded += sum(bucket(n) != n for n in res.tree_sizes)
+    assert padded > 0  # trees ran with dummy nodes, and no token changed
+
+
+def test_bucket_sizes():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 60, 128, 129)] == [1, 2, 4, 8, 8, 16, 64, 128, 256]
+    assert list(BUCKETS) == sorted(BUCKETS)
+
+
+def test_static_cache_after_cycles_equals_the_dynamic_cache_of_vanilla_decoding():
+    target = tiny_target("tiny-llava")
+    prompt = tiny_prompt(target, TEXT)
+    with single_thread():
+        target.use_runtime("compiled")
+        res = speculative_generate(target, PromptLookupDraft(), prompt, 20)
+        assert res.cycles < len(res.tokens) - 1  # some cycles accepted drafted tokens (entries moved in place)
+        n = target.seq_len
+        static = [(k.clone(), v.clone()) for k, v in target.static.committed(target.num_layers, n)]
+        target.use_runtime("eager")
+        van = vanilla_generate(target, prompt, 20)
+        assert van.tokens == res.tokens
+        assert target.seq_len == n  # prompt + every emitted token but the last
+        for (ks, vs), layer in zip(static, target.cache.layers):
+            torch.testing.assert_close(ks, layer.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(vs, layer.values, rtol=1e-4, atol=1e-5)
+
+
+def test_no_recompilation_after_warm_up():
+    target = tiny_target("tiny-llava")
+    draft = PromptLookupDraft()  # accepts 0..8 tokens a cycle on repetitive text: trees of every size up to 9
+    policy = TreePolicy(spec=draft.default_tree)
+    with single_thread():
+        target.use_runtime("compiled")
+        speculative_generate(target, draft, tiny_prompt(target, TEXT), 8, policy=policy)
+        assert target.warm_buckets(draft.default_tree.total_tokens + 1, draft.feature_layers) == [1, 2, 4, 8, 16]
+        before = graph_count()
+        cycles, accepted = 0, set()
+        for text in (TEXT, "Once upon a time there was", "one two three one two three one two three one"):
+            res = speculative_generate(target, draft, tiny_prompt(target, text), 30, policy=policy)
+            cycles += res.cycles
+            accepted |= set(res.accept_hist)
+        assert cycles >= 20 and len(accepted) >= 2  # 20+ cycles with different accepted lengths
+        assert graph_count() == before  # none of them compiled anything
+
+
+def test_bench_runs_every_method_on_both_runtimes_against_same_runtime_vanilla():
+    from decode.bench import BenchConfig, format_table, run_bench
+    from decode.datasets import PromptItem
+
+    cfg = BenchConfig(target="tiny-llama", drafts=("prompt-lookup",), runtimes=("eager", "compiled"),
+                      max_new_tokens=12, repeats=1, device="cpu")
+    with single_thread():
+        res = run_bench(cfg, prompts=[PromptItem("a", TEXT, None, None)])
+    summary = {r["method"]: r for r in res["summary"]}
+    assert list(summary) == ["vanilla", "vanilla@compiled", "prompt-lookup", "prompt-lookup@compiled"]
+    assert summary["prompt-lookup@compiled"]["runtime"] == "compiled"
+    assert summary["prompt-lookup@compiled"]["baseline"] == "vanilla@compiled"
+    assert summary["prompt-lookup"]["baseline"] == "vanilla" and summary["vanilla@compiled"]["baseline"] == "vanilla@compiled"
+    for name in ("vanilla@compiled", "prompt-lookup", "prompt-lookup@compiled"):
+        assert summary[name]["identical_rate"] == 1.0  # against eager vanilla, token for token
+    row = next(r for r in res["per_prompt"] if r["method"] == "prompt-lookup@compiled")
+    van = {r["method"]: r for r in res["per_prompt"]}
+    assert row["speedup"] == pytest.approx(row["tokens_per_s"] / van["vanilla@compiled"]["tokens_per_s"])
+    assert row["speedup_vs_eager"] == pytest.approx(row["tokens_per_s"] / van["vanilla"]["tokens_per_s"])
+    assert "vs eager vanilla" in format_table(res["summary"])
+
+
+def test_compiled_profile_records_its_runtime_and_search_refuses_a_profile_of_another(tmp_path):
+    from decode.errors import UserError
+    from hwprofile.profile import main as profile_main
+    from hwprofile.schema import Profile, default_profile_path
+    from nas.hardware import resolve_profile
+
+    assert default_profile_path("cpu", "tiny-llama", tmp_path, "compiled").name == "cpu-tiny-llama-compiled.json"
+    out = tmp_path / "p.json"
+    with single_thread():
+        assert profile_main(["--target", "tiny-llama", "--quick", "--threads", "1", "--runtime", "compiled",
+                             "--no-plot", "--out", str(out)]) == 0
+    prof = Profile.load(out)
+    assert prof.runtime == "compiled" and prof.config["runtime"] == "compiled"
+    assert prof.tables["verify"].ms and all(v > 0 for v in prof.tables["verify"].ms.values())
+    target = tiny_target("tiny-llama")
+    with pytest.raises(UserError, match="compiled runtime, not eager"):
+        resolve_profile(target, None, str(out), [], tmp_path, runtime="eager")
+    assert resolve_profile(target, None, str(out), [], tmp_path, runtime="compiled").path == out
+    with pytest.raises(UserError, match="eager runtime only"):
+        profile_main(["--hardware", "h200", "--target", "tiny-llama", "--quick", "--predict", "--runtime", "compiled"])
