@@ -175,7 +175,9 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
     logger.info("bench: %s on %s, %d prompts x %d methods x %d repeats", target.name, env["device"], len(built),
                 len(methods), config.repeats)
     if config.warmup:
-        warm_up(target, built[0][1], methods, config.max_new_tokens, sampling)
+        # on the longest prompt: the compiled runtime sizes its static cache there, so that no later prompt grows
+        # it (new tensors recompile every graph: measured, 25-60 s stalls inside timed runs)
+        warm_up(target, max((p for _, p in built), key=lambda p: p.length), methods, config.max_new_tokens, sampling)
     rows: list[dict] = []
 
     def result(done: int) -> dict:
