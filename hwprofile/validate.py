@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if profile.device.get("kind") == "cpu" and threads:
         torch.set_num_threads(int(threads))  # time with the thread count the profile was measured with
     target = load_target(profile.target_name, device=local.kind, dtype=profile.dtype, cache_dir=cfg.cache_dir)
-    target.use_runtime(getattr(profile, "runtime", "eager"))  # real cycles on the runtime the profile measured
+    target.use_runtime(profile.runtime)  # real cycles on the runtime the profile measured
     if target.fingerprint().to_dict() != profile.target["fingerprint"]:
         raise UserError(f"target '{profile.target_name}' here differs from the one profiled (fingerprint mismatch); "
                         "re-profile it with python -m hwprofile.profile")

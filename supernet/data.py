@@ -513,14 +513,9 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("prompts", "mode", "max_len", "topk", "max_new_tokens", "min_answer", "regen_batch", "shard_size")}
     pick["max_prompt_chars"] = args.max_prompt_chars if args.max_prompt_chars is not None \
         else preset.get("max_prompt_chars", d.max_prompt_chars)
-    if args.space:
-        space = args.space
-    elif args.scale:
-        from supernet.train import scale_space
+    from supernet.train import scale_space
 
-        space = scale_space(args.scale, args.target)
-    else:
-        space = default_space_name(args.target)
+    space = args.space or (scale_space(args.scale, args.target) if args.scale else default_space_name(args.target))
     config = DataConfig(target=args.target, split=args.split, **pick, space=space, out=args.out,
                         image_answer_tokens=args.image_answer_tokens,
                         calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer, device=args.device,

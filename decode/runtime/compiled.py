@@ -6,7 +6,8 @@ its own size, so each cycle has new shapes and the host does a little work per l
 - the target's KV cache is allocated once per TargetModel (`max_len` positions, every layer a full
   StaticLayer; sliding windows still come from the masks) and reused by every prompt at the same
   addresses; a prompt that would not leave ANSWER_ROOM positions free doubles it (one recompilation).
-  Attention spans all max_len positions every step (masked), so the cache is kept as short as prompts allow. A tree's N tokens are written at committed..committed+B-1 (B = N padded to a bucket),
+  Attention spans all max_len positions every step (masked), so the cache is kept as short as prompts
+  allow. A tree's N tokens are written at committed..committed+B-1 (B = N padded to a bucket),
   committing the accepted path is an in-place copy of its m entries to committed..committed+m-1, and
   entries beyond the committed length are stale but always masked out;
 - a tree of N nodes runs as B >= N tokens (buckets 1, 2, 4, 8, ...): the B - N dummy nodes attend only
@@ -25,7 +26,6 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from decode.errors import UserError
-from decode.loop.tree_mask import additive_mask, tree_attention_allowed
 from decode.targets.capture import register_capture
 
 RUNTIMES = ("eager", "compiled")
@@ -167,7 +167,7 @@ class StaticRunner:
         positions = (past + offset + dep)[None]  # (1, B)
         if t.spec.mrope:
             positions = positions[None].expand(3, 1, b)
-        mask = self._mask(tent, dep, past)
+        mask = t._masks(tent, dep, dep, past, kv_len=self.max_len)  # (1, 1, B, max_len): the whole static cache
         self.set_length(past)
         feature_layers = tuple(dict.fromkeys(feature_layers))
         self._capture(feature_layers)
@@ -177,19 +177,3 @@ class StaticRunner:
         if self._graphs:  # the draft keeps path features past the next forward: copy them out of the graph's buffers
             return logits[:n].clone(), {k: v[:n].clone() for k, v in hidden.items()}
         return logits[:n], {k: v[:n] for k, v in hidden.items()}
-
-    def _mask(self, tent: torch.Tensor, depths: torch.Tensor, past: int):
-        """(1, 1, B, max_len) additive masks (one per layer type for hybrid models) over the whole static cache."""
-        t = self.target
-        cfg = t.text_config
-
-        def build(window: int | None) -> torch.Tensor:
-            allowed = tree_attention_allowed(tent, depths, depths, past, window)  # (B, past + B)
-            full = allowed.new_zeros(allowed.shape[0], self.max_len)
-            full[:, : allowed.shape[1]] = allowed
-            return additive_mask(full, t.dtype)[None, None]
-
-        layer_types = getattr(cfg, "layer_types", None)
-        if layer_types:
-            return {k: build(cfg.sliding_window if k == "sliding_attention" else None) for k in set(layer_types)}
-        return build(getattr(cfg, "sliding_window", None))

@@ -232,11 +232,16 @@ class TargetModel:
         )
 
     # ----------------------------------------------------------------- tree verification
-    def _masks(self, tent_mask: torch.Tensor, q_depths: torch.Tensor, k_depths: torch.Tensor, past_len: int):
+    def _masks(self, tent_mask: torch.Tensor, q_depths: torch.Tensor, k_depths: torch.Tensor, past_len: int,
+               kv_len: int | None = None):
+        """(1, 1, N, P+M) additive masks (one per layer type for hybrid models); kv_len pads the key axis with
+        blocked columns to that length (the compiled runtime's static cache, decode/runtime/compiled.py)."""
         cfg = self.text_config
 
         def build(window: int | None) -> torch.Tensor:
             allowed = tree_attention_allowed(tent_mask, q_depths, k_depths, past_len, window)
+            if kv_len is not None:
+                allowed = torch.nn.functional.pad(allowed, (0, kv_len - allowed.shape[1]))  # False beyond
             return additive_mask(allowed, self.dtype)[None, None]  # (1, 1, N, P+M)
 
         layer_types = getattr(cfg, "layer_types", None)
