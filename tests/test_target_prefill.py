@@ -48,12 +48,13 @@ def test_attention_statistics_match_manual_entropy():
     t = prompt.length
     assert pre.attn_entropy.shape == (target.num_layers, t)
     assert pre.attn_received.shape == (t,)
+    previous = target.model.config._attn_implementation
     target.model.set_attn_implementation("eager")
     try:
         with torch.no_grad():
             att = target.model(**prompt.model_inputs, output_attentions=True).attentions
     finally:
-        target.model.set_attn_implementation("sdpa")
+        target.model.set_attn_implementation(previous)
     p = att[0][0, 0, -1].double()  # layer 0, head 0, last query
     p = p[p > 0]
     manual_head0 = float(-(p * p.log()).sum())

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from decode.errors import UserError
 from decode.runtime.small_rows import use_small_rows
+from decode.targets.attention import use_packed_gqa
 from decode.targets.families import family_spec
 from decode.targets.presets import is_preset, load_preset, resolve_dir
 from decode.targets.target import TargetModel
@@ -61,6 +62,7 @@ def load_target(
             model.set_attn_implementation(attn_implementation)
             model = model.to(device=dev, dtype=dt)
             use_small_rows(model)
+            use_packed_gqa(model)
             cfg = model.config
             spec = family_spec(cfg.model_type, hasattr(cfg, "vision_config"))
             return TargetModel(model, processor, spec, preset.name)
@@ -90,4 +92,5 @@ def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype, a
         raise UserError(f"cannot load the model in '{path}': {str(err).splitlines()[0]}") from None
     model = model.to(device)
     use_small_rows(model)  # faster few-row linears on a CPU (decode.runtime.small_rows); vanilla and speculative alike
+    use_packed_gqa(model)  # tree verification without copying the KV cache per group (decode.targets.attention)
     return TargetModel(model, processor, spec, name)
