@@ -90,7 +90,8 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
     tables.update(measure_draft(target, space, grids, timer, progress))
     tables["overhead"], notes = measure_overhead(target, space, grids, timer, tables["scorer"], progress)
     profile = Profile(
-        hardware=info.hardware, predicted=False, device=info.to_dict(), versions=versions(info),
+        hardware=info.hardware, predicted=False, device=info.to_dict(),
+        versions=versions(info) | {"attention": target.model.config._attn_implementation},  # nas.hardware checks it
         dtype=str(target.dtype).removeprefix("torch."), runtime=target.runtime,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command_line(),
         target=target_info(target), space=space.to_dict(), config=cfg.to_dict(), grids=grids.to_dict(),

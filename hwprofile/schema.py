@@ -107,6 +107,12 @@ class Profile:
 
     @classmethod
     def _from_fields(cls, d: dict) -> "Profile":
+        wrong = [k for k in ("device", "versions", "target", "space", "config", "grids", "tables")
+                 if not isinstance(d[k], dict)]
+        if wrong:
+            raise ValueError(f"{', '.join(repr(k) for k in wrong)} must be JSON objects")
+        if not isinstance(d["target"].get("name"), str) or not isinstance(d["target"].get("fingerprint"), dict):
+            raise ValueError("'target' needs a 'name' and a 'fingerprint' object")
         prof = cls(
             hardware=d["hardware"], predicted=bool(d["predicted"]), device=d["device"], versions=d["versions"],
             dtype=d["dtype"], runtime=d["runtime"], date=d["date"], command=d.get("command", ""), target=d["target"],

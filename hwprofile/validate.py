@@ -23,6 +23,7 @@ import torch
 from decode.benchio import command_line
 from decode.cli import run_cli, setup_logging
 from decode.errors import UserError
+from decode.paths import writable_file
 from decode.targets.loader import load_target
 from hwprofile.measure import load_average, versions
 from hwprofile.schema import Profile
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                          prompts=args.prompts, seed=args.seed, out=args.out, cache_dir=args.cache_dir)
     cfg.check()
     profile = Profile.load(cfg.profile)
+    out = writable_file(cfg.out if cfg.out else default_out(cfg.profile))  # before minutes of real cycles
     local = local_device_for(profile)
     threads = profile.device.get("torch_threads")
     if profile.device.get("kind") == "cpu" and threads:
@@ -82,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
                         "re-profile it with python -m hwprofile.profile")
     load_before = load_average()
     result = validate_profile(profile, target, cfg)
-    out = Path(cfg.out) if cfg.out else default_out(cfg.profile)
     doc = {"config": cfg.to_dict(), "profile": str(cfg.profile), "hardware": profile.hardware,
            "device": local.to_dict(), "versions": versions(local), "target": profile.target_name,
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command_line(),

@@ -54,6 +54,18 @@ def check_hardware(name: str, local: str) -> None:
         raise UserError(f"unknown hardware '{name}'; use one of: {', '.join(sorted(set(known) | {local}))}")
 
 
+def stale_attention(profile: Profile, target: TargetModel) -> str | None:
+    """Why a measured profile's verify costs are not this target's: it was measured with another attention
+    implementation (profiles before decode.targets.attention record none: transformers' SDPA, whose
+    repeat_kv made every multi-token verify dearer). None when it matches or the profile is predicted."""
+    have = target.model.config._attn_implementation
+    theirs = profile.versions.get("attention")
+    if profile.predicted or theirs == have:
+        return None
+    return (f"measured with {'an older' if theirs is None else repr(theirs)} tree attention, not {have!r} "
+            f"(verify costs differ)")
+
+
 def check_profile(profile: Profile, path: Path, target: TargetModel, hardware: str | None) -> None:
     have = target.fingerprint().to_dict()
     theirs = profile.target.get("fingerprint", {})
@@ -95,6 +107,14 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
                     logger.warning("hardware %s: the stored profile %s was measured on another machine (%s); "
                                    "not using it", hardware, path, differs)  # then measured (below)
                     continue
+                stale = stale_attention(prof, target)
+                if stale:  # this machine can measure it again, with the attention decoding now runs
+                    logger.warning("hardware %s: the stored profile %s was %s; not using it", hardware, path, stale)
+                    continue
+            elif stale_attention(prof, target):  # another device's profile: it stays, with a warning
+                logger.warning("hardware %s: the stored profile %s was %s: its predictions overprice trees; "
+                               "re-measure it there with python -m hwprofile.profile", hardware, path,
+                               stale_attention(prof, target))
             logger.info("hardware %s: using the stored %s profile %s", hardware,
                            "predicted" if prof.predicted else "measured", path)
             return ProfileChoice(hardware, path, "stored", LatencyModel(prof))

@@ -146,14 +146,21 @@ def read_manifest(directory: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {path} ({err.__class__.__name__}); delete the directory and build it "
                         "again") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("target"), dict) \
+            or not isinstance(manifest.get("shards"), list):
+        raise UserError(f"{path} is not a data manifest (a JSON object with 'target' and 'shards' expected); "
+                        "delete the directory and build it again with python -m supernet.data")
+    return manifest
 
 
-def check_target(manifest: dict, fingerprint: dict, target_name: str, directory: Path) -> None:
-    """One-line UserError when a data directory was made for another target."""
+def check_target(manifest: dict, fingerprint: dict, target_name: str, directory: Path,
+                 hint: str = "use another --out or the matching target") -> None:
+    """One-line UserError when a data directory was made for another target; `hint`: what the caller's user
+    can do about it (supernet.data: write elsewhere; a reader such as supernet.train: pass the right target)."""
     theirs = manifest.get("target", {})
     if theirs.get("fingerprint") != fingerprint:
         def show(fp: dict) -> str:
@@ -162,7 +169,7 @@ def check_target(manifest: dict, fingerprint: dict, target_name: str, directory:
 
         raise UserError(f"{directory} holds features of target '{theirs.get('name')}' "
                         f"({show(theirs.get('fingerprint') or {})}), not of '{target_name}' ({show(fingerprint)}); "
-                        "use another --out or the matching target")
+                        + hint)
 
 
 class FeatureData:
@@ -178,7 +185,9 @@ class FeatureData:
             raise UserError(f"{self.dir} has data format {manifest.get('format')!r}, this code reads {FORMAT!r}; "
                             "rebuild it")
         if target is not None:
-            check_target(manifest, target.fingerprint().to_dict(), target.name, self.dir)
+            check_target(manifest, target.fingerprint().to_dict(), target.name, self.dir,
+                         hint=f"pass --target {manifest['target'].get('name')}, or build data for '{target.name}' "
+                              "with python -m supernet.data")
         self.manifest = manifest
         self.shards = [s for s in manifest["shards"] if s["complete"]]
         if len(self.shards) < len(manifest["shards"]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import tiny_target
@@ -14,6 +15,8 @@ from decode.errors import UserError
 from decode.loop.sampling import SamplingConfig
 from decode.run import main as run_main
 from decode.targets.loader import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_unknown_preset_lists_presets():
@@ -98,7 +101,8 @@ def _exported_draft(tmp_path):
     return target, tmp_path / "d"
 
 
-@pytest.mark.parametrize("config", ["{not json", "[1, 2]", '{"format": "x"}', '{"arch": [1], "dims": {}, "target": {}}'])
+@pytest.mark.parametrize("config", ["{not json", "[1, 2]", '{"format": "x"}', '{"arch": [1], "dims": {}, "target": {}}',
+                                    '{"arch": 1, "dims": 1, "target": 1}'])
 def test_bad_draft_config_is_one_line(tmp_path, config):
     from decode.drafts import make_draft
 
@@ -109,6 +113,8 @@ def test_bad_draft_config_is_one_line(tmp_path, config):
     (d / "draft_config.json").write_text(config)
     with pytest.raises(UserError, match="draft_config.json|re-export"):
         make_draft(str(d), target)
+    with pytest.raises(UserError, match="draft_config.json|re-export"):  # the CLI's path, printed as one line
+        run_main(["--target", "tiny-llama", "--draft", str(d), "--prompt", "hi", "--max-new-tokens", "2"])
 
 
 @pytest.mark.parametrize("payload", [b"", b"garbage" * 10, None])
@@ -129,6 +135,9 @@ def test_bad_device_and_infinite_temperature():
 
     with pytest.raises(UserError, match="unknown device 'tpu'"):
         pick_device("tpu")
+    for name in ("mps", "meta"):  # torch parses them; the decoding loop does not run there
+        with pytest.raises(UserError, match=f"device '{name}' is not supported"):
+            pick_device(name)
     with pytest.raises(UserError, match="finite"):
         SamplingConfig(temperature=float("inf"))
 
@@ -165,9 +174,25 @@ def test_bad_profile_files_are_one_line(tmp_path):
              "tables.json": json.dumps({"format": FORMAT, "hardware": "cpu", "predicted": False, "device": {},
                                         "versions": {}, "dtype": "float32", "runtime": "eager", "date": "",
                                         "target": {}, "space": {}, "config": {}, "grids": {}, "tables": [1]})}
+    complete = json.loads((ROOT / "profiles" / "cpu-smolvlm-135m.json").read_text())
+    cases["target.json"] = json.dumps({**complete, "target": ["x"]})  # every key, wrong types
+    cases["device.json"] = json.dumps({**complete, "device": "cpu"})
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(UserError, match=f"profile '.*{name}'"):
             LatencyModel.load(tmp_path / name)
     with pytest.raises(UserError, match="is a directory"):
         LatencyModel.load(tmp_path)
+
+
+
+def test_validate_checks_its_output_before_measuring(tmp_path):
+    """hwprofile.validate runs minutes of real cycles: an --out it cannot write is refused first, before
+    the target even loads."""
+    from hwprofile import validate
+
+    (tmp_path / "afile").write_text("x")
+    profile = str(ROOT / "profiles" / "cpu-smolvlm-135m.json")
+    for out in (tmp_path / "afile" / "v.json", tmp_path):
+        with pytest.raises(UserError, match="--out"):
+            validate.main(["--profile", profile, "--out", str(out)])

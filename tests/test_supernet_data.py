@@ -151,7 +151,8 @@ def test_other_target_is_rejected(built, tmp_path, fake_prompts, capsys):
     with pytest.raises(UserError, match="tiny-llava") as err:
         FeatureData(built, other)
     assert "\n" not in str(err.value)
-    with pytest.raises(UserError, match="holds features of target"):
+    assert "pass --target tiny-llava" in str(err.value) and "--out" not in str(err.value)  # a reader's advice
+    with pytest.raises(UserError, match="holds features of target .* use another --out"):
         build_data(_config(built, target="tiny-llama"), target=other)
     with pytest.raises(SystemExit) as exit_:
         run_cli(data_mod.main, ["--target", "tiny-llama", "--space", "tiny", "--out", str(built)])
@@ -248,3 +249,10 @@ def test_calibration_prompts_are_spread_over_the_list():
 def test_features_on_the_fly_needs_the_entropy_layer():
     with pytest.raises(UserError, match="entropy_layer"):
         features_on_the_fly(tiny_target("tiny-llava"), ITEMS[0], replace(_config("x"), entropy_layer=None))
+
+
+@pytest.mark.parametrize("manifest", ["[1, 2]", '{"format": "x"}', '{"target": [], "shards": []}'])
+def test_a_damaged_manifest_is_one_line(tmp_path, manifest):
+    (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(UserError, match="not a data manifest"):
+        FeatureData(tmp_path)

@@ -47,6 +47,11 @@ def read_config(directory: str | Path) -> dict:
     kind = config.get("kind", "neural")
     if kind not in KINDS:
         raise UserError(f"{file}: unknown draft kind {kind!r}; expected one of {', '.join(KINDS)}")
+    wrong = [k for k in ("target", "arch", "dims", "lookup", "layerskip", "metadata")
+             if k in config and config[k] is not None and not isinstance(config[k], dict)]
+    if wrong:
+        raise UserError(f"{file}: {', '.join(repr(k) for k in wrong)} must be JSON objects, not "
+                        f"{', '.join(type(config[k]).__name__ for k in wrong)}; re-export the draft")
     return config
 
 

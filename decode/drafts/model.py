@@ -258,7 +258,10 @@ class DraftModel(nn.Module):
         missing = [k for k in ("arch", "dims", "target") if not isinstance(config, dict) or k not in config]
         if missing:
             raise UserError(f"{cfg_file} is not a draft config (missing {', '.join(missing)}); re-export the draft")
-        want = config.get("target", {})
+        wrong = [k for k in ("arch", "dims", "target") if not isinstance(config[k], dict)]
+        if wrong:
+            raise UserError(f"{cfg_file}: {', '.join(repr(k) for k in wrong)} must be JSON objects; re-export the draft")
+        want = config["target"]
         have = target.fingerprint().to_dict()
         if want != have:
             diff = ", ".join(f"{k}: draft {want.get(k)!r} vs target {have.get(k)!r}" for k in have if want.get(k) != have.get(k))

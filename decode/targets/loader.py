@@ -27,9 +27,12 @@ def pick_device(device: str | None = None) -> torch.device:
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device '{device}' requested but no CUDA GPU is visible; use --device cpu")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise UserError(f"unknown device '{device}'; use cpu, cuda, cuda:N or auto") from None
+    if dev.type not in ("cpu", "cuda"):  # e.g. mps, xpu, meta: torch parses them, the loop does not run there
+        raise UserError(f"device '{device}' is not supported here; use cpu, cuda, cuda:N or auto")
+    return dev
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
