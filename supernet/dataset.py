@@ -150,9 +150,8 @@ def read_manifest(directory: Path) -> dict | None:
     except (OSError, ValueError) as err:
         raise UserError(f"cannot read {path} ({err.__class__.__name__}); delete the directory and build it "
                         "again") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("target"), dict) \
-            or not isinstance(manifest.get("shards"), list):
-        raise UserError(f"{path} is not a data manifest (a JSON object with 'target' and 'shards' expected); "
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path} is not a data manifest (a JSON {type(manifest).__name__}, an object expected); "
                         "delete the directory and build it again with python -m supernet.data")
     return manifest
 
@@ -181,6 +180,9 @@ class FeatureData:
         if manifest is None:
             raise UserError(f"no {MANIFEST} in {self.dir}; build the data with: python -m supernet.data "
                             f"--out {self.dir}")
+        if not isinstance(manifest.get("target"), dict) or not isinstance(manifest.get("shards"), list):
+            raise UserError(f"{self.dir / MANIFEST} is not a data manifest ('target' and 'shards' missing or "
+                            "malformed); delete the directory and build it again with python -m supernet.data")
         if manifest.get("format") != FORMAT:
             raise UserError(f"{self.dir} has data format {manifest.get('format')!r}, this code reads {FORMAT!r}; "
                             "rebuild it")
