@@ -146,10 +146,7 @@ def run_sample(target: TargetModel, arch, prompt: Prompt, cfg: ValidateConfig, t
     torch.manual_seed(seed)
     draft_model = DraftModel(arch, TargetDims.of(target)).attach(target, init_head=True).eval()
     draft = NeuralDraft(draft_model, name="validate")
-    # attention statistics (eager attention over the whole cache) only choose which image tokens the draft
-    # keeps: a text prompt skips them (on the compiled runtime they took 2.1 s of a 0.4 s prefill)
-    pre = target.prefill(prompt, feature_layers=draft.feature_layers,
-                         attention_stats=draft.attention_stats and prompt.has_image)
+    pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.prefill_stats(prompt))
     state = {"root": int(pre.logits[-1].argmax())}
     draft.start(target, prompt, pre)
     policy = TreePolicy(spec=arch.tree)

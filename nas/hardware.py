@@ -101,20 +101,19 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
         if path.is_file():
             prof = Profile.load(path)
             check_profile(prof, path, target, hardware)
+            stale = stale_attention(prof, target)
             if hardware == local and not prof.predicted:
                 differs = other_machine(DeviceInfo.from_dict(prof.device), local_device(pick_device(device)))
                 if differs:  # e.g. a "cpu" profile from another CPU: its verify/step ratios are not this one's
                     logger.warning("hardware %s: the stored profile %s was measured on another machine (%s); "
                                    "not using it", hardware, path, differs)  # then measured (below)
                     continue
-                stale = stale_attention(prof, target)
                 if stale:  # this machine can measure it again, with the attention decoding now runs
                     logger.warning("hardware %s: the stored profile %s was %s; not using it", hardware, path, stale)
                     continue
-            elif stale_attention(prof, target):  # another device's profile: it stays, with a warning
+            elif stale:  # another device's profile: it stays, with a warning
                 logger.warning("hardware %s: the stored profile %s was %s: its predictions overprice trees; "
-                               "re-measure it there with python -m hwprofile.profile", hardware, path,
-                               stale_attention(prof, target))
+                               "re-measure it there with python -m hwprofile.profile", hardware, path, stale)
             logger.info("hardware %s: using the stored %s profile %s", hardware,
                            "predicted" if prof.predicted else "measured", path)
             return ProfileChoice(hardware, path, "stored", LatencyModel(prof))

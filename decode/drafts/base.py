@@ -31,6 +31,12 @@ class Draft(ABC):
     attention_stats: bool = False  # needs the target's attention statistics at prefill
     default_tree: TreeSpec = TreeSpec()
 
+    def prefill_stats(self, prompt: "Prompt") -> bool:
+        """Whether the prefill of `prompt` must return attention statistics (an eager-attention prefill over the
+        whole cache: on the compiled runtime 2.1 s against 0.4 s): they only rank image tokens, so a prompt
+        without an image never needs them."""
+        return self.attention_stats and prompt.has_image
+
     @abstractmethod
     def start(self, target: "TargetModel", prompt: "Prompt", prefill: "PrefillOutput") -> None: ...
 
