@@ -2,9 +2,10 @@
 
     python benchmarks/plot_scaling.py benchmarks/results/scaling-cpu-partial.csv   # -> same name .png
 
-Columns: curve, data, train_s, scored_positions, tau_2x2_4, tau_4x2_16, source. One line per curve
-(a: the EAGLE-like subnet of the supernet, b: the NAS-chosen subnet, c: the EAGLE-like arch trained
-alone), tau on the small CPU tree (2x2/4, solid) and a deeper one (4x2/16, dashed).
+Columns: curve, train_s, and one `tau_<depth>x<topk>_<total>` column per tree (as `python -m nas.ablation
+--scaling-csv` writes them; other columns are ignored). One colour per curve (e.g. a: the EAGLE-like subnet
+of the supernet, b: the NAS-chosen subnet, c: the EAGLE-like arch trained alone), the first tree solid and
+the others dashed; rows without a tree's tau are left out of that line.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ def main(argv: list[str]) -> int:
     with path.open() as f:
         for row in csv.DictReader(f):
             curves[row["curve"]].append(row)
+    trees = list(dict.fromkeys(k for rows in curves.values() for r in rows for k in r if k.startswith("tau_")))
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (name, rows) in enumerate(sorted(curves.items())):
         rows.sort(key=lambda r: float(r["train_s"]))
-        x = [float(r["train_s"]) / 60 for r in rows]
-        color = f"C{i}"
-        ax.plot(x, [float(r["tau_2x2_4"]) for r in rows], "o-", color=color, label=f"{name} (2x2/4)")
-        ax.plot(x, [float(r["tau_4x2_16"]) for r in rows], "s--", color=color, alpha=0.6, label=f"{name} (4x2/16)")
+        for j, tree in enumerate(trees):
+            pts = [(float(r["train_s"]) / 60, float(r[tree])) for r in rows if r.get(tree)]
+            if pts:
+                label = tree[4:].replace("_", "/")
+                ax.plot(*zip(*pts), "o-" if j == 0 else "s--", color=f"C{i}", alpha=1.0 if j == 0 else 0.6,
+                        label=f"{name} ({label})")
     ax.set_xlabel("training wall-clock on 2 CPU cores (minutes)")
     ax.set_ylabel("held-out exact greedy tau")
     ax.set_title("smolvlm-135m: acceptance against training time")

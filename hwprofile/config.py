@@ -7,7 +7,8 @@ minutes on 2 cores, and `quick` profiles of tiny targets in seconds (tests):
     verify_tokens   tree sizes N (root included) for verify: powers of two plus every tree size an
                     EAGLE-2 tree of the search space can have (min(total_tokens, most nodes of its
                     depth and top_k) + 1), so the space's own trees are grid points, not interpolations
-                    (CPU matmuls are not smooth in N: 2-3 rows can cost more than 4)
+                    (CPU matmuls are not smooth in N: 2-3 rows can cost more than 4); on a CPU the
+                    sizes above 32 are interpolated between powers of two
     widths          tokens a draft forward processes: 1..8 cover the level-0 width (accepted
                     tokens + root), plus every top_k of the space (the later levels)
 """
@@ -89,6 +90,12 @@ def default_grids(device_kind: str, space: SearchSpace, quick: bool = False) -> 
                      widths=widths, default_context=512,
                      components=TimingConfig(warmup=5, repeats=20), target=TimingConfig(warmup=3, repeats=15),
                      prefill=TimingConfig(warmup=2, repeats=5))
-    # contexts from short chat prompts (64) to long ones; repeats sized for ~3-5 min on 2 cores
-    return Grids(contexts=(64, 256, 512, 1024), verify_tokens=tuple(sorted(_powers_of_two(128) | tree_sizes)),
-                 widths=widths, default_context=512, target=TimingConfig(warmup=1, repeats=9))
+    # contexts from short chat prompts (64) to long ones; ~2 min on 2 cores for the default target. Verify sizes:
+    # every tree size up to 32 (small row counts are where CPU matmuls are not smooth in N), above that powers of
+    # two up to the first that holds the space's largest tree (cost is near linear in N there: the measured 37-,
+    # 53- and 61-token points were within 5% of the 32-64 line, and they and a 128-token point cost a third of
+    # the profile's time)
+    limit = 1 << max(3, (max(tree_sizes) - 1).bit_length())
+    verify = _powers_of_two(limit) | {n for n in tree_sizes if n <= 32}
+    return Grids(contexts=(64, 256, 512, 1024), verify_tokens=tuple(sorted(verify)),
+                 widths=widths, default_context=512, target=TimingConfig(warmup=1, repeats=7))

@@ -11,6 +11,14 @@ run ends its schedule), then scores it on held-out data with the exact greedy re
 `data=<label>` to pick one of the `--data` directories. Results: `<out>.json` (configs, steps,
 scored positions, tau per tree, environment) and a markdown table `<out>.md`; runs already in the
 JSON are kept (rerun = resume).
+
+A data-scaling curve is the same comparison at several budgets: `--budgets 120,240,480` trains every
+variant once per budget (runs `NAME@120s`, ...; each a whole run with its own LR schedule, not a
+snapshot of a longer one) and `--scaling-csv FILE` writes one row per (variant, scored arch, budget):
+held-out tau against training wall-clock and scored positions, which `benchmarks/plot_scaling.py`
+draws. A supernet variant scores its EAGLE-like subnet and each `--arch` of its space; a variant
+trained alone (space `eagle`) its one arch; the ratio of the two EAGLE-like curves is the cost of
+weight sharing.
 """
 
 from __future__ import annotations
@@ -65,8 +73,19 @@ def parse_variant(text: str, train_fields: dict) -> tuple[str, dict]:
     return name, out
 
 
+def parse_budgets(text: str) -> list[float]:
+    """'120,240,480' -> [120.0, 240.0, 480.0] (seconds, each > 0)."""
+    try:
+        out = [float(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise UserError(f"--budgets {text!r} is not a comma-separated list of seconds (e.g. 120,240,480)") from None
+    if not out or min(out) <= 0:
+        raise UserError(f"--budgets {text!r}: give one or more training budgets in seconds, each > 0")
+    return out
+
+
 def heldout_tau(ckpt_dir: Path, target, heldout: Path, trees: list[TreeSpec], max_new: int | None,
-                extra_archs: dict | None = None) -> dict:
+                extra_archs: dict | None = None, n_seqs: int | None = None) -> dict:
     """Exact greedy replay tau of the checkpoint's EAGLE-like arch (its space's default) for each tree, and
     of each of `extra_archs` ({label: DraftArch}) that the checkpoint's space contains (the others are skipped)."""
     from decode.drafts.neural import NeuralDraft
@@ -79,7 +98,7 @@ def heldout_tau(ckpt_dir: Path, target, heldout: Path, trees: list[TreeSpec], ma
     net, _ = load_supernet(ckpt_dir, target)
     net.eval()
     data = FeatureData(heldout, target)
-    seqs = [data[i] for i in range(len(data))]
+    seqs = [data[i] for i in range(min(len(data), n_seqs or len(data)))]
     arch = eagle_like(net.space, net.entropy_layer)
     archs = {"eagle-like": arch}
     for label, extra in (extra_archs or {}).items():
@@ -133,8 +152,11 @@ def run(args: argparse.Namespace) -> dict:
         extra[label] = DraftArch.from_dict(raw.get("arch", raw))
     results.update(command=" ".join(["python -m nas.ablation", *args.argv]), budget_s=args.budget,
                    heldout=str(args.heldout_data), environment=environment(target.device))
-    for text in args.variant:
-        name, settings = parse_variant(text, train_fields)
+    budgets = parse_budgets(args.budgets) if args.budgets else [args.budget]
+    jobs = [(parse_variant(text, train_fields), b) for text in args.variant for b in budgets]
+    for (base, settings), budget in jobs:
+        settings = dict(settings)
+        name = base if len(budgets) == 1 else f"{base}@{budget:g}s"
         if name in results["runs"]:
             logger.warning("variant %s: kept from %s", name, result_file)
             continue
@@ -143,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
             raise UserError(f"variant '{name}': no --data labelled '{label}' (have: {', '.join(data)})")
         run_dir = Path(args.work) / name
         cfg = TrainConfig(target=args.target, data=data[label], out=str(run_dir), space=args.space, scale="demo",
-                          steps=100_000, time_budget_s=args.budget, threads=args.threads, device=args.device,
+                          steps=100_000, time_budget_s=budget, threads=args.threads, device=args.device,
                           dtype=args.dtype, val_sequences=0, ckpt_every=100_000)
         cfg = replace(cfg, **{**dict(warmup=20, n_random=0, reorder_at=0, unroll=2, seqs_per_step=4), **settings})
         done = run_dir / "ablation-trained.json"  # training finished earlier (a crash in scoring reruns only that)
@@ -154,27 +176,58 @@ def run(args: argparse.Namespace) -> dict:
             ck = train(cfg)
             wall = time.perf_counter() - t0
             done.write_text(json.dumps({"wall_s": wall}))
-        summary = {"data": label, "data_dir": data[label], "train": asdict(cfg), "wall_s": round(wall, 1),
-                   **_train_log_summary(run_dir / "train_log.csv"),
-                   **heldout_tau(ck, target, Path(args.heldout_data), trees, args.max_new_tokens, extra)}
+        summary = {"variant": base, "budget_s": budget, "data": label, "data_dir": data[label], "train": asdict(cfg),
+                   "wall_s": round(wall, 1), **_train_log_summary(run_dir / "train_log.csv"),
+                   **heldout_tau(ck, target, Path(args.heldout_data), trees, args.max_new_tokens, extra,
+                                 args.heldout_sequences)}
         summary["positions_per_s"] = round(summary["scored_positions"] / max(summary["elapsed_s"], 1e-9), 1)
         results["runs"][name] = summary
         result_file.write_text(json.dumps(results, indent=1) + "\n")
         logger.warning("variant %s: %s", name, summary["tau"])
     out.with_suffix(".md").write_text(table(results))
+    if args.scaling_csv:
+        write_scaling_csv(results, Path(args.scaling_csv))
     return results
 
 
+def scaling_rows(results: dict) -> list[dict]:
+    """One row per (run, scored arch): the curve `VARIANT: ARCH`, training seconds, scored positions, and
+    tau per tree as `tau_<depth>x<topk>_<total>` columns (the shape benchmarks/plot_scaling.py reads)."""
+    rows = []
+    for name, r in results["runs"].items():
+        for label, taus in r.get("tau_by_arch", {"eagle-like": r["tau"]}).items():
+            row = {"curve": f"{r.get('variant', name)}: {label}", "data": r["data"], "budget_s": r.get("budget_s", ""),
+                   "train_s": r["elapsed_s"], "steps": r["steps"], "scored_positions": r["scored_positions"]}
+            row.update({"tau_" + t.replace("/", "_"): v for t, v in taus.items()})
+            row["source"] = f"nas.ablation run {name}"
+            rows.append(row)
+    return rows
+
+
+def write_scaling_csv(results: dict, path: Path) -> None:
+    rows = scaling_rows(results)
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cols = [c for c in cols if c != "source"] + ["source"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    logger.warning("scaling curve: %d rows -> %s (plot: python benchmarks/plot_scaling.py %s)", len(rows), path, path)
+
+
 def table(results: dict) -> str:
+    """Markdown: one line per run and scored arch (the EAGLE-like arch first, then each --arch)."""
     runs = results["runs"]
     trees = sorted({t for r in runs.values() for t in r["tau"]}, key=lambda t: (len(t), t))
-    head = "| variant | data | steps | scored positions | positions/s | train acc | " + " | ".join(
+    head = "| variant | arch | data | train s | steps | scored positions | positions/s | train acc | " + " | ".join(
         f"tau {t}" for t in trees) + " |"
-    lines = [head, "|" + "---|" * (6 + len(trees))]
+    lines = [head, "|" + "---|" * (8 + len(trees))]
     for name, r in runs.items():
-        lines.append(f"| {name} | {r['data']} | {r['steps']} | {r['scored_positions']} | {r['positions_per_s']} | "
-                     f"{r['train_acc0_last20']:.3f} | " + " | ".join(f"{r['tau'].get(t, float('nan')):.3f}" for t in trees)
-                     + " |")
+        for label, taus in r.get("tau_by_arch", {"eagle-like": r["tau"]}).items():
+            lines.append(f"| {name} | {label} | {r['data']} | {r['elapsed_s']:.0f} | {r['steps']} | {r['scored_positions']} | "
+                         f"{r['positions_per_s']} | {r['train_acc0_last20']:.3f} | "
+                         + " | ".join(f"{taus.get(t, float('nan')):.3f}" for t in trees) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-data", required=True, help="held-out data (supernet.data --split heldout, regenerate)")
     p.add_argument("--variant", action="append", required=True, help="NAME:key=value,... (see above); repeat")
     p.add_argument("--budget", type=float, default=300.0, help="training seconds per variant (default: 300)")
+    p.add_argument("--budgets", help="B1,B2,...: train every variant once per budget (seconds), for a scaling curve")
+    p.add_argument("--scaling-csv", help="write the scaling curve (tau against training time) to this CSV")
+    p.add_argument("--heldout-sequences", type=int, default=None,
+                   help="score the first N held-out sequences only (default: all)")
     p.add_argument("--space", default="eagle", help="search space of the trained network (default: eagle)")
     p.add_argument("--tree", action="append", help=f"DEPTHxTOPK/TOTAL trees to score (default: {' '.join(DEFAULT_TREES)})")
     p.add_argument("--arch", action="append",
@@ -206,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     if args.budget <= 0:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    if args.budgets:
+        parse_budgets(args.budgets)  # bad lists fail before the target loads
+    if args.heldout_sequences is not None and args.heldout_sequences < 1:
+        raise UserError(f"--heldout-sequences must be >= 1, got {args.heldout_sequences}")
     results = run(args)
     print(table(results))
     return 0

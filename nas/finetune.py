@@ -23,6 +23,7 @@ from tqdm import tqdm
 from decode.arch import DraftArch
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
+from supernet.train import adamw
 from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
         return {"steps": 0}
     model.set_active(arch).float().train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = adamw(params, cfg.lr, 0.0)
     rng = random.Random(cfg.seed)
     loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, loss=cfg.loss,
                           full_positions=cfg.full_positions)

@@ -35,6 +35,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
+
 from decode.arch import DraftArch, max_tree_nodes
 from decode.drafts.merged import RULES
 from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, trie
@@ -155,12 +157,10 @@ class Replay:
         if len(seqs) < 2:
             t = self.acceptance.tau
             return t, t
-        rng = random.Random(seed)
-        taus = []
-        for _ in range(n):
-            draw = [seqs[rng.randrange(len(seqs))] for _ in seqs]
-            taus.append(sum(e for e, _ in draw) / sum(c for _, c in draw))
-        taus.sort()
+        emitted = np.array([e for e, _ in seqs], dtype=np.float64)  # (S,)
+        cycles = np.array([c for _, c in seqs], dtype=np.float64)  # (S,)
+        draws = np.random.default_rng(seed).integers(0, len(seqs), size=(n, len(seqs)))  # (n, S) resampled indices
+        taus = np.sort(emitted[draws].sum(axis=1) / cycles[draws].sum(axis=1)).tolist()  # (n,) pooled ratios
         lo = taus[int((1 - level) / 2 * n)]
         hi = taus[min(n - 1, int((1 + level) / 2 * n))]
         return lo, hi

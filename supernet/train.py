@@ -99,6 +99,12 @@ class TrainConfig:
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with betas (0.9, 0.95), one fused kernel per tensor: torch's CPU default (a Python loop of
+    small ops per tensor) took 0.12 s of a ~0.4 s fine-tuning step on 2 cores."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=True)
+
+
 def scale_defaults(scale: str, section: str) -> dict:
     file = config_dir("scale") / f"{scale}.yaml"
     if not file.is_file():
@@ -193,7 +199,7 @@ def train(cfg: TrainConfig) -> Path:
         logger.info("draft layers start from target decoder layer %d", src)
     model.float().train()  # fp32 master weights; bf16 autocast on GPU
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = adamw(params, cfg.lr, cfg.weight_decay)
     start = 0
     if cfg.resume:
         ckpt.load_weights(ck_dir, model)

@@ -207,3 +207,19 @@ def test_calibration_recovers_ratios_and_transfers_by_kind():
     gpu = _spec(launch=15e-6, kind="cuda")
     assert cal.predict_ms(op, "target", gpu, "bf16") == pytest.approx(15.0)  # CPU beta does not carry to a GPU
     assert cal.predict_ms(op, "target", local, "fp32") == pytest.approx(0.5 * 5.0)
+
+
+@pytest.mark.parametrize("space_name", ["default", "compact"])
+def test_cpu_grid_measures_small_trees_exactly_and_interpolates_large_ones(space_name):
+    """Every tree size of the space up to 32 tokens is a verify grid point (small-N CPU cost is not smooth);
+    above that powers of two bracket the largest tree, and nothing beyond the first one that holds it."""
+    from decode.space import SearchSpace
+    from hwprofile.config import default_grids, space_tree_sizes
+
+    space = SearchSpace.load(space_name)
+    sizes = space_tree_sizes(space)
+    grid = set(default_grids("cpu", space).verify_tokens)
+    assert {n for n in sizes if n <= 32} <= grid
+    assert max(grid) >= max(sizes) and max(grid) < 2 * max(sizes)
+    assert all(n <= 32 or n & (n - 1) == 0 for n in grid)  # above 32: powers of two only
+    assert sizes <= set(default_grids("cuda", space).verify_tokens)  # GPUs keep every tree size
