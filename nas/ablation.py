@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict:
     budgets = parse_budgets(args.budgets) if args.budgets else [args.budget]
     jobs = [(parse_variant(text, train_fields), b) for text in args.variant for b in budgets]
     for (base, settings), budget in jobs:
-        settings = dict(settings)
+        settings = dict(settings)  # the data label is popped below; every budget of the variant needs it
         name = base if len(budgets) == 1 else f"{base}@{budget:g}s"
         if name in results["runs"]:
             logger.warning("variant %s: kept from %s", name, result_file)
@@ -190,12 +190,17 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def arch_taus(run: dict) -> dict[str, dict[str, float]]:
+    """{arch label: {tree: tau}} of one run (runs recorded before --arch existed have the EAGLE-like one only)."""
+    return run.get("tau_by_arch", {"eagle-like": run["tau"]})
+
+
 def scaling_rows(results: dict) -> list[dict]:
     """One row per (run, scored arch): the curve `VARIANT: ARCH`, training seconds, scored positions, and
     tau per tree as `tau_<depth>x<topk>_<total>` columns (the shape benchmarks/plot_scaling.py reads)."""
     rows = []
     for name, r in results["runs"].items():
-        for label, taus in r.get("tau_by_arch", {"eagle-like": r["tau"]}).items():
+        for label, taus in arch_taus(r).items():
             row = {"curve": f"{r.get('variant', name)}: {label}", "data": r["data"], "budget_s": r.get("budget_s", ""),
                    "train_s": r["elapsed_s"], "steps": r["steps"], "scored_positions": r["scored_positions"]}
             row.update({"tau_" + t.replace("/", "_"): v for t, v in taus.items()})
@@ -224,7 +229,7 @@ def table(results: dict) -> str:
         f"tau {t}" for t in trees) + " |"
     lines = [head, "|" + "---|" * (8 + len(trees))]
     for name, r in runs.items():
-        for label, taus in r.get("tau_by_arch", {"eagle-like": r["tau"]}).items():
+        for label, taus in arch_taus(r).items():
             lines.append(f"| {name} | {label} | {r['data']} | {r['elapsed_s']:.0f} | {r['steps']} | {r['scored_positions']} | "
                          f"{r['positions_per_s']} | {r['train_acc0_last20']:.3f} | "
                          + " | ".join(f"{taus.get(t, float('nan')):.3f}" for t in trees) + " |")

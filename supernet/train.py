@@ -100,8 +100,8 @@ class TrainConfig:
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with betas (0.9, 0.95), one fused kernel per tensor: torch's CPU default (a Python loop of
-    small ops per tensor) took 0.12 s of a ~0.4 s fine-tuning step on 2 cores."""
+    """AdamW with betas (0.9, 0.95), one fused kernel per tensor: torch's CPU default (a loop of small ops
+    per tensor) took 32 ms per step against 10 ms fused for the demo supernet's 22.4M weights on 2 cores."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=True)
 
 
