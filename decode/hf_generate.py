@@ -5,8 +5,8 @@
     hf-compiled       model.generate with a static cache and torch.compile (inductor on a CPU, CUDA graphs
                       on a GPU): the compiled vanilla decoding a user compares a speed-up against
 
-hf-compiled keeps one StaticCache per target model, STATIC_LEN positions (grown, never shrunk, to the longest
-prompt + answer asked for), so that every prompt runs the one compiled step graph: the prefill is not
+hf-compiled keeps one StaticCache per target model, sized as our compiled runtime sizes its own (the longest
+prompt + answer asked for, rounded up to GRAIN positions; grown, never shrunk), so that every prompt runs the one compiled step graph: the prefill is not
 compiled and the cache tensors keep their shape. The compilation happens in the bench's untimed warm-up;
 a prompt that outgrows the cache recompiles once (logged).
 
@@ -26,6 +26,7 @@ import torch
 from decode.errors import UserError
 from decode.loop.vanilla import GenerationResult, sync_device
 from decode.prompt import Prompt
+from decode.runtime.compiled import GRAIN
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ def is_hf_spec(spec: str) -> bool:
     return spec in ("hf-generate", "hf-compiled") or spec.startswith("hf-lookup")
 
 
-STATIC_LEN = 1024  # positions of hf-compiled's static cache (grown when a prompt + answer needs more)
 _static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target.model -> (positions, its StaticCache)
 
 
@@ -73,7 +73,7 @@ def _static_cache(target, need: int):
 
     have, cache = _static.get(target.model, (0, None))
     if cache is None or have < need:
-        size = max(STATIC_LEN, -(-need // 256) * 256)
+        size = -(-need // GRAIN) * GRAIN
         if cache is not None:
             logger.warning("hf-compiled: a prompt needs %d positions: a new static cache of %d (recompiles)", need, size)
         cache = StaticCache(config=target.model.config, max_cache_len=size)

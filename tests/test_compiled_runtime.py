@@ -16,7 +16,7 @@ from decode.drafts import LayerSkipDraft, MergedDraft, PromptLookupDraft, make_d
 from decode.loop.speculative import speculative_generate
 from decode.loop.tree import TreePolicy
 from decode.loop.vanilla import vanilla_generate
-from decode.runtime.compiled import BUCKETS, bucket, graph_count
+from decode.runtime.compiled import BUCKETS, GRAIN, bucket, graph_count
 
 TEXT = "the cat sat on the mat and the cat sat on the"
 
@@ -141,3 +141,50 @@ def test_compiled_profile_records_its_runtime_and_search_refuses_a_profile_of_an
     assert resolve_profile(target, None, str(out), [], tmp_path, runtime="compiled").path == out
     with pytest.raises(UserError, match="eager runtime only"):
         profile_main(["--hardware", "h200", "--target", "tiny-llama", "--quick", "--predict", "--runtime", "compiled"])
+
+
+def test_compiled_prefill_equals_the_eager_one_and_fills_the_static_cache():
+    """The compiled runtime prefills on a dynamic cache and copies it into the static one: the same logits,
+    features and attention statistics as eager (computed over the prompt's keys, not the whole static cache),
+    and the static cache's first T entries are the prompt's KV."""
+    target = tiny_target("tiny-llava")
+    prompt = tiny_prompt(target, TEXT)
+    with single_thread():
+        eager = target.prefill(prompt, feature_layers=(1, -1), attention_stats=True)
+        kv = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+        target.use_runtime("compiled")
+        comp = target.prefill(prompt, feature_layers=(1, -1), attention_stats=True)
+    t = prompt.length
+    assert target.seq_len == t and target.static.max_len > t
+    torch.testing.assert_close(comp.logits, eager.logits)
+    for k in (1, -1):
+        torch.testing.assert_close(comp.hidden[k], eager.hidden[k])
+    assert comp.attn_received.shape == (t,)
+    torch.testing.assert_close(comp.attn_received, eager.attn_received)
+    torch.testing.assert_close(comp.attn_entropy, eager.attn_entropy)
+    for (k, v), (ks, vs) in zip(kv, target.static.committed(target.num_layers, t)):
+        assert torch.equal(ks, k) and torch.equal(vs, v)
+
+
+def test_static_cache_is_sized_to_the_generation_and_grows_when_outrun():
+    """The static cache holds prompt + reserve rounded up to GRAIN (attention spans all of it every step, so it is
+    kept short); a generation that outruns its reserve gets a larger cache holding the committed entries and
+    decodes on, token for token as eager."""
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target, TEXT)
+    t = prompt.length
+    with single_thread():
+        target._static = None  # a fresh runner: earlier tests sized the shared target's cache for their prompts
+        target.use_runtime("compiled")
+        vanilla_generate(target, prompt, 6)
+        size = target.static.max_len
+        assert size == -(-(t + 6) // GRAIN) * GRAIN
+        n = size - t + 4  # 4 tokens past the end of the cache
+        target.use_runtime("eager")
+        ref = vanilla_generate(target, prompt, n).tokens
+        target.use_runtime("compiled")
+        tokens = [int(target.prefill(prompt, reserve=0).logits[-1].argmax())]
+        while len(tokens) < len(ref):
+            tokens.append(int(target.step(tokens[-1]).logits[-1].argmax()))
+    assert target.static.max_len == size + GRAIN  # grew once, by one grain
+    assert tokens == ref

@@ -37,6 +37,11 @@ class Draft(ABC):
         without an image never needs them."""
         return self.attention_stats and prompt.has_image
 
+    def max_nodes(self, policy: TreePolicy) -> int:
+        """The most nodes (root included) a tree of this draft can have under `policy`: the compiled runtime
+        reserves cache room for it (more still works, at the cost of a larger cache and a recompilation)."""
+        return policy.spec.total_tokens + 1
+
     @abstractmethod
     def start(self, target: "TargetModel", prompt: "Prompt", prefill: "PrefillOutput") -> None: ...
 

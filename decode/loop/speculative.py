@@ -19,6 +19,7 @@ from decode.loop.tree import TreePolicy
 from decode.loop.vanilla import GenerationResult, check_max_new_tokens, sync_device
 from decode.loop.verify import verify
 from decode.prompt import Prompt
+from decode.runtime.compiled import bucket
 from decode.targets.target import TargetModel
 
 
@@ -56,7 +57,8 @@ def speculative_generate(
     eos = target.eos_token_ids
     sync_device(target.device)  # GPU work queued before this call must not be timed as this prefill
     t0 = time.perf_counter()
-    pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.prefill_stats(prompt))
+    pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.prefill_stats(prompt),
+                         reserve=max_new_tokens + bucket(draft.max_nodes(policy)))
     root = sample_token(pre.logits[-1], sampling, gen)
     sync_device(target.device)
     t1 = time.perf_counter()

@@ -65,7 +65,7 @@ def vanilla_generate(
     eos = target.eos_token_ids
     sync_device(target.device)  # GPU work queued before this call must not be timed as this prefill
     t0 = time.perf_counter()
-    logits = target.prefill(prompt).logits[-1]  # (V,)
+    logits = target.prefill(prompt, reserve=max_new_tokens).logits[-1]  # (V,)
     token = sample_token(logits, sampling, gen)
     sync_device(target.device)
     t1 = time.perf_counter()

@@ -187,10 +187,13 @@ class TargetModel:
         feature_layers: tuple[int, ...] = (),
         attention_stats: bool = False,
         all_logits: bool = False,
+        reserve: int | None = None,
     ) -> PrefillOutput:
-        """Run the whole prompt (image included) through the full model; start a fresh cache."""
-        # no config: every layer a plain full-length DynamicLayer; the compiled runtime reuses its static cache
-        self.cache = self.static.reset(prompt.length) if self.runtime == "compiled" else DynamicCache()
+        """Run the whole prompt (image included) through the full model; start a fresh cache. reserve: positions
+        the generation will add after the prompt (answer + its largest tree), for which the compiled runtime
+        sizes its static cache (decode/runtime/compiled.py; None: its default room)."""
+        # no config: every layer a plain full-length DynamicLayer; the compiled runtime copies it into its static cache
+        self.cache = DynamicCache()
         self._tree = None
         if self.spec.mrope:
             self.model.model.rope_deltas = None  # stale deltas from an earlier prompt must not leak in
@@ -213,6 +216,8 @@ class TargetModel:
         finally:
             if switched:
                 self.model.set_attn_implementation(previous)
+        if self.runtime == "compiled":
+            self.cache = self.static.load(self.cache, int(self.cache.get_seq_length()), reserve)
         self._offset = self.spec.position_offset
         if self.spec.mrope and self.model.model.rope_deltas is not None:
             self._offset += int(self.model.model.rope_deltas.reshape(-1)[0])
@@ -334,6 +339,7 @@ class TargetModel:
         past = int(self.cache.get_seq_length())
         if self.runtime == "compiled":
             logits, hidden = self.static.forward_tree(tokens, tree_mask, depths, past, self._offset, feature_layers)
+            self.cache = self.static.cache  # a new, larger one when this tree outgrew it
             out = TreeOutput(logits=logits, hidden=hidden)
         else:
             out = self._run_decoder(tokens, tree_mask, depths, depths, self.cache, past, feature_layers)
