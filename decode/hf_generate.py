@@ -6,9 +6,9 @@
                       on a GPU): the compiled vanilla decoding a user compares a speed-up against
 
 hf-compiled keeps one StaticCache per target model, sized as our compiled runtime sizes its own (the longest
-prompt + answer asked for, rounded up to GRAIN positions; grown, never shrunk), so that every prompt runs the one compiled step graph: the prefill is not
-compiled and the cache tensors keep their shape. The compilation happens in the bench's untimed warm-up;
-a prompt that outgrows the cache recompiles once (logged).
+prompt + answer asked for, rounded up by decode.runtime.compiled.cache_len; grown, never shrunk), so that every
+prompt runs the one compiled step graph: the prefill is not compiled and the cache tensors keep their shape.
+The compilation happens in the bench's untimed warm-up; a prompt that outgrows the cache recompiles once (logged).
 
 Timed as a whole (prefill included, as every method's wall time is); HF does not report its forward
 count, so tau is not known for these rows. Greedy only: HF's sampling draws differ from ours.
@@ -26,7 +26,7 @@ import torch
 from decode.errors import UserError
 from decode.loop.vanilla import GenerationResult, sync_device
 from decode.prompt import Prompt
-from decode.runtime.compiled import GRAIN
+from decode.runtime.compiled import cache_len
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _static_cache(target, need: int):
 
     have, cache = _static.get(target.model, (0, None))
     if cache is None or have < need:
-        size = -(-need // GRAIN) * GRAIN
+        size = cache_len(need)
         if cache is not None:
             logger.warning("hf-compiled: a prompt needs %d positions: a new static cache of %d (recompiles)", need, size)
         cache = StaticCache(config=target.model.config, max_cache_len=size)

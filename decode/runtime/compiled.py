@@ -50,6 +50,11 @@ def bucket(n: int) -> int:
     return -(-n // BUCKETS[-1]) * BUCKETS[-1]
 
 
+def cache_len(needed: int) -> int:
+    """Positions of a static cache that must hold `needed`: rounded up to GRAIN (also hf-compiled's size)."""
+    return -(-needed // GRAIN) * GRAIN
+
+
 def check_runtime(name: str) -> str:
     if name not in RUNTIMES:
         raise UserError(f"--runtime must be one of {', '.join(RUNTIMES)}, got {name!r}")
@@ -99,7 +104,7 @@ class StaticRunner:
         """A new static cache of `needed` positions rounded up to GRAIN (at most the target's limit), holding the
         first `keep` entries of the old one. New tensors: the graphs recompile once for them."""
         old = self.cache
-        self.max_len = min(-(-needed // GRAIN) * GRAIN, self.limit)
+        self.max_len = min(cache_len(needed), self.limit)
         self.cache = Cache(layers=[StaticLayer(max_cache_len=self.max_len) for _ in range(self.target.num_layers)])
         if old is not None and keep:
             self._fill(old, keep)
@@ -112,24 +117,17 @@ class StaticRunner:
             layer.keys[..., :length, :].copy_(s.keys[..., :length, :])
             layer.values[..., :length, :].copy_(s.values[..., :length, :])
 
-    def reset(self, prompt_len: int = 0, reserve: int | None = None) -> Cache:
-        """An empty cache for a new prompt of prompt_len tokens followed by `reserve` more positions (answer and
-        trees; ANSWER_ROOM when None): the same tensors, lengths back to 0 (stale entries stay masked); a larger
-        one first when these do not fit."""
-        needed = prompt_len + (ANSWER_ROOM if reserve is None else reserve)
-        if self.cache is None or (needed > self.max_len and self.max_len < self.limit):
-            self._allocate(needed)
-        for layer in self.cache.layers:
-            layer.cumulative_length.zero_()
-        return self.cache
-
     def load(self, prefilled: Cache, length: int, reserve: int | None = None) -> Cache:
         """The static cache holding a prefill's `length` entries per layer (copied from the DynamicCache the
-        prefill ran on), lengths at `length`. The prefill runs on a dynamic cache because on the static one every
+        prefill ran on), lengths at `length`, with room for `reserve` more positions (answer and trees;
+        ANSWER_ROOM when None): the same tensors as for the last prompt (stale entries stay masked), a larger
+        cache first when these do not fit. The prefill runs on a dynamic cache because on the static one every
         prompt token would attend over all max_len positions (masked): at a 600-token prompt and max_len 1024 that
         cost 3.6 s against 1.8 s on 2 CPU cores, and eager attention for the attention statistics 6.3 s against
         3.3 s."""
-        self.reset(length, reserve)
+        needed = length + (ANSWER_ROOM if reserve is None else reserve)
+        if self.cache is None or (needed > self.max_len and self.max_len < self.limit):
+            self._allocate(needed)
         self._fill(prefilled, length)
         self.set_length(length)
         return self.cache
