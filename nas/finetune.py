@@ -34,6 +34,8 @@ class FinetuneConfig:
     steps: int
     lr: float = 3e-4
     unroll: int = 3
+    unroll_decay: float = 0.7
+    feat_weight: float = 0.2
     max_positions: int = 0  # scored positions per sequence and unroll step (0 = all; the CPU demo uses 32)
     grad_clip: float = 1.0
     loss: str = "topk"  # as supernet.train: the target's top-k + `negatives` frequent tokens, or full
@@ -46,6 +48,7 @@ class FinetuneConfig:
         """Unroll depth and position subsampling as the supernet was trained (its checkpoint's config)."""
         train = state.get("config", {})
         return cls(steps=steps, lr=lr, unroll=int(train.get("unroll", 3)),
+                   unroll_decay=float(train.get("unroll_decay", 0.7)), feat_weight=float(train.get("feat_weight", 0.2)),
                    max_positions=int(train.get("max_positions", 0)), grad_clip=float(train.get("grad_clip", 1.0)),
                    loss=str(train.get("loss", "full")), negatives=int(train.get("negatives", 0)),
                    full_positions=int(train.get("full_positions", 0)))
@@ -60,7 +63,8 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, cfg.lr, 0.0)
     rng = random.Random(cfg.seed)
-    loss_cfg = LossConfig(unroll=cfg.unroll, max_positions=cfg.max_positions, loss=cfg.loss,
+    loss_cfg = LossConfig(unroll=cfg.unroll, decay=cfg.unroll_decay, feat_weight=cfg.feat_weight,
+                          max_positions=cfg.max_positions, loss=cfg.loss,
                           full_positions=cfg.full_positions)
     negatives = loss_negatives(data, cfg.negatives if cfg.loss == "topk" else 0, model.feat_fc.weight.device)
     on_gpu = model.feat_fc.weight.device.type == "cuda"

@@ -74,6 +74,7 @@ def test_full_recipe_runs_a_few_hundred_steps_on_a_tiny_target(data_dir, tmp_pat
                                       "--no-answer-only"])
     cfg = config_from_args(args)
     assert cfg.unroll == 4 and cfg.negatives == 4096 and cfg.loss == "topk"  # the full recipe's own settings
+    assert cfg.loss_config().feat_weight == 1.0 and cfg.loss_config().decay == cfg.unroll_decay
     with single_thread():
         ck = train(cfg)
     state = json.loads((ck / ckpt.STATE).read_text())

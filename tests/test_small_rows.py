@@ -95,3 +95,31 @@ def test_targets_use_it_and_decoding_stays_lossless(monkeypatch, forced):
     assert fast == vanilla_generate(target, prompt, 24).tokens
     monkeypatch.setattr(small_rows, "MODE", "off")
     assert vanilla_generate(target, prompt, 24).tokens == fast  # the same greedy text with torch's kernels
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_compiled_graphs_take_the_product_measured_before_tracing(monkeypatch, faster):
+    """Inside torch.compile no timing can run: measure_linears times a model's linears for a row count first and
+    the traced graph holds the product it chose (W @ x^T or F.linear), with the same values."""
+    monkeypatch.setattr(small_rows, "MODE", "auto")
+    monkeypatch.setattr(small_rows, "_CHOICE", {})
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, w: faster)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 16, bias=False))
+    small_rows.use_small_rows(model)
+    assert small_rows.measure_linears(model, 4) == 2 and small_rows.measure_linears(model, 4) == 0
+    assert small_rows.choices() == {"4x32->64": faster, "4x64->16": faster}
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        out = torch.compile(model, backend=keep_graph, dynamic=False)(x)
+        torch.testing.assert_close(out, model[1](model[0](x)), rtol=1e-5, atol=1e-5)
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("linear" in o for o in ops) != faster
+    assert any("matmul" in o for o in ops) == faster
+    torch._dynamo.reset()

@@ -187,3 +187,13 @@ def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(data_dir, tm
     after = load_file(str(tmp_path / "run" / "checkpoint" / ckpt.MODEL))
     assert all(torch.equal(good[k], after[k]) for k in good)
     assert all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point())
+
+
+def test_a_one_network_space_runs_one_pass_per_step(data_dir, tmp_path):
+    """Training an arch alone (largest = smallest = sample) logs and computes one pass per step, not three."""
+    space = tmp_path / "one.yaml"
+    space.write_text("fusion: [concat]\nfeature_layers: [[-1]]\ndepth: [1]\nheads: [2]\nffn: [64]\n"
+                     "draft_vocab: [null]\nvisual_keep: [1.0]\ntree_depth: [1, 2]\ntop_k: [1, 2]\ntotal_tokens: [2, 4]\n")
+    train(_cfg(data_dir, tmp_path / "run", space=str(space), steps=3, n_random=1, reorder_at=0, val_sequences=0))
+    rows = _losses(tmp_path / "run")
+    assert [(s, r) for s, r, _ in rows] == [("0", "largest"), ("1", "largest"), ("2", "largest")]

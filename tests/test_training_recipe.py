@@ -269,3 +269,44 @@ def test_progressive_schedule_opens_depth_then_everything():
     mid = sandwich(net, 3, timed, elapsed_s=45.0)
     assert len(mid) == 4 and mid[1][0] == "depth0"
     assert sandwich(net, 3, timed, elapsed_s=80.0)[1][0] == "smallest"
+
+
+def test_repeated_sandwich_networks_train_once_with_the_same_gradient():
+    """A one-network space (largest = smallest = sample, as space eagle) used to run three identical forward and
+    backward passes per step; distinct_roles merges them into one pass weighted by its count, which must give the
+    gradient of the three passes."""
+    from supernet.train import TrainConfig, distinct_roles, sandwich
+
+    target = tiny_target("tiny-llama")
+    one = replace(SearchSpace.load("tiny"), fusion=("concat",), feature_layers=((-1,),), depth=(1,), heads=(2,),
+                  ffn=(64,), draft_vocab=(None,), visual_keep=(1.0,))
+    net = DraftSupernet(one, TargetDims.of(target), None).attach(target)
+    net.float()
+    roles = sandwich(net, 5, TrainConfig(target="t", data="d", out="o", n_random=1))
+    assert len(roles) == 3 and len({a.tree for _, a in roles}) > 1  # the sample differs only in its tree
+    merged = distinct_roles(roles)
+    assert [(r, n) for r, _, n in merged] == [("largest", 3)]
+    wide = distinct_roles(sandwich(DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), 1), 5,
+                                   TrainConfig(target="t", data="d", out="o", n_random=2)))
+    assert [n for _, _, n in wide][:2] == [1, 1]  # largest and smallest of a real space stay separate
+
+    torch.manual_seed(0)
+    t = 12
+    seq = {"input_ids": torch.randint(0, target.vocab_size, (t,)), "image_mask": torch.zeros(t, dtype=torch.bool),
+           "attn_received": torch.zeros(t), "loss_mask": torch.ones(t, dtype=torch.bool), "prompt_len": torch.tensor(4),
+           "hidden": {target.num_layers: torch.randn(t, target.hidden_size)}}
+    logits = torch.randn(t, target.vocab_size)
+    seq["topk_logits"], seq["topk_ids"] = logits.topk(8)
+    seq["lse"] = logits.logsumexp(-1)
+    cfg = LossConfig(unroll=2, loss="full")
+
+    def grads(passes: list[float]) -> list[torch.Tensor]:
+        net.zero_grad(set_to_none=True)
+        for w in passes:
+            net.set_active(roles[0][1])
+            loss, _ = subnet_losses(net, seq, cfg)
+            (loss * w).backward()
+        return [p.grad.clone() for p in net.parameters() if p.grad is not None]
+
+    for a, b in zip(grads([1 / 3, 1 / 3, 1 / 3]), grads([3 / 3]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -15,9 +15,10 @@ its own size, so each cycle has new shapes and the host does a little work per l
 - a tree of N nodes runs as B >= N tokens (buckets 1, 2, 4, 8, ...): the B - N dummy nodes attend only
   to themselves and their outputs are dropped, so they never change a token (tested);
 - the decoder forward + LM head of one bucket is one torch.compile graph (inductor on a CPU, CUDA graphs
-  through mode "reduce-overhead" on a GPU); positions, masks and cache writes are tensors, so the
-  committed length changes nothing but their values: one compilation per (bucket, feature layers), in
-  the untimed warm-up, none per cycle.
+  through mode "reduce-overhead" on a GPU); on a CPU its few-row linear layers take the product measured
+  faster on this machine before the bucket is traced (decode.runtime.small_rows); positions, masks and
+  cache writes are tensors, so the committed length changes nothing but their values: one compilation per
+  (bucket, feature layers), in the untimed warm-up, none per cycle.
 
 The prefill stays eager (one call per prompt, its own length) on a DynamicCache whose entries are then copied
 into the static cache (`load`). Drafts keep their own eager forwards.
@@ -31,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from decode.errors import UserError
+from decode.runtime.small_rows import measure_linears
 from decode.targets.capture import register_capture
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class StaticRunner:
         self._store: dict[int, torch.Tensor] = {}
         self._hooks: list = []
         self._hooked: tuple[int, ...] | None = None
+        self._measured: set[int] = set()  # buckets whose linear kernels were chosen (small_rows.measure_linears)
 
     def _capture(self, feature_layers: tuple[int, ...]) -> None:
         if feature_layers == self._hooked:
@@ -190,6 +193,9 @@ class StaticRunner:
             logger.warning("compiled runtime: a %d-node tree after %d positions outgrows the static cache of %d: "
                            "a larger one (recompiles)", n, past, self.max_len)
             self._allocate(past + b, keep=past)  # a caller that reserved too little: correct, but recompiles
+        if b not in self._measured:  # few-row CPU products: the faster kernel, chosen before the bucket's tracing
+            measure_linears(t.model, b)
+            self._measured.add(b)
         dev = t.device
         pad = b - n
         tok = torch.cat([tokens, tokens.new_zeros(pad)]) if pad else tokens

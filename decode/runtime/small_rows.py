@@ -12,7 +12,14 @@ out) shape times both products on its real weight (a few alternating runs, media
 of that shape takes the faster one; W @ x^T must win by 10% to be taken.
 
 Only CPU float32 inference calls with 2..SMALL_ROWS rows are candidates; one row (MKL's GEMV), prefill,
-training (autograd) and other devices or dtypes always run F.linear. The draft blocks call `linear`;
+training (autograd) and other devices or dtypes always run F.linear.
+
+Inside a torch.compile graph (the compiled runtime) inductor lowers F.linear to the same transposed-weight
+GEMM, with the same cost: on a 2-core AMD EPYC (AVX2) the compiled LM head took 46-100 ms for 2-8 rows
+against 16-42 ms for a compiled W @ x^T, which made compiled tree verification slower than eager. No host
+timing can run while a graph is traced, so `measure_linears(model, rows)` times the choices of a model's
+linear layers beforehand (the compiled runtime does it for every bucket before compiling it) and the traced
+code reads them as constants; a shape never measured keeps F.linear. The draft blocks call `linear`;
 `use_small_rows(model)` routes every nn.Linear of a target through it (decode.targets.loader does so for every
 target). Vanilla and speculative decoding run the same layers, so speed-ups stay like-for-like; outputs
 stay token-identical (tested), values within 1e-5 of F.linear.
@@ -95,9 +102,13 @@ def choices() -> dict[str, bool]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through W @ x^T where that is faster (few rows, CPU, float32, inference).
     x: (..., in), weight (out, in) -> (..., out)."""
-    if torch.compiler.is_compiling():  # the compiled runtime: inductor picks its own kernels, no host timing
-        return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if torch.compiler.is_compiling():  # the compiled runtime: the choice measured before tracing, read as a constant
+        if not (2 <= rows <= SMALL_ROWS and x.device.type == "cpu" and _measured_faster(rows, weight.shape[1],
+                                                                                        weight.shape[0])):
+            return torch.nn.functional.linear(x, weight, bias)
+        y = _rows_product(x.reshape(rows, x.shape[-1]), weight)
+        return (y if bias is None else y + bias).reshape(*x.shape[:-1], weight.shape[0])
     if (MODE == "off" or not 2 <= rows <= SMALL_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             or not _take_rows_path(rows, weight)):
@@ -106,6 +117,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.compiler.assume_constant_result
+def _measured_faster(rows: int, n_in: int, n_out: int) -> bool:
+    """What `measure_linears` found for this shape (False when never measured or in mode off); traced as a constant,
+    so a graph neither guards on nor recompiles for later entries of the choice table."""
+    return MODE == "on" or (MODE == "auto" and _CHOICE.get((rows, n_in, n_out), False))
+
+
+def measure_linears(model: torch.nn.Module, rows: int) -> int:
+    """Time (auto mode) the choice for `rows`-row inputs of every float32 CPU nn.Linear of `model` that has not
+    been timed yet, so that a graph compiled afterwards takes the faster product; -> shapes measured now."""
+    if MODE != "auto" or not 2 <= rows <= SMALL_ROWS:
+        return 0
+    n = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (type(module) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
+                and (rows, w.shape[1], w.shape[0]) not in _CHOICE):
+            _take_rows_path(rows, w.detach())
+            n += 1
+    return n
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
