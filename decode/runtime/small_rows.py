@@ -103,15 +103,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), through W @ x^T where that is faster (few rows, CPU, float32, inference).
     x: (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    few = (2 <= rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+           and weight.dtype == torch.float32)
     if torch.compiler.is_compiling():  # the compiled runtime: the choice measured before tracing, read as a constant
-        if not (2 <= rows <= SMALL_ROWS and x.device.type == "cpu" and _measured_faster(rows, weight.shape[1],
-                                                                                        weight.shape[0])):
-            return torch.nn.functional.linear(x, weight, bias)
-        y = _rows_product(x.reshape(rows, x.shape[-1]), weight)
-        return (y if bias is None else y + bias).reshape(*x.shape[:-1], weight.shape[0])
-    if (MODE == "off" or not 2 <= rows <= SMALL_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or not _take_rows_path(rows, weight)):
+        take = few and _measured_faster(rows, weight.shape[1], weight.shape[0])
+    else:
+        take = (MODE != "off" and few and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                and _take_rows_path(rows, weight))
+    if not take:
         return torch.nn.functional.linear(x, weight, bias)
     y = _rows_product(x.reshape(rows, x.shape[-1]), weight)
     if bias is not None:
@@ -133,9 +132,10 @@ def measure_linears(model: torch.nn.Module, rows: int) -> int:
         return 0
     n = 0
     for module in model.modules():
-        w = getattr(module, "weight", None)
-        if (type(module) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
-                and (rows, w.shape[1], w.shape[0]) not in _CHOICE):
+        if type(module) is not torch.nn.Linear:
+            continue
+        w = module.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and (rows, w.shape[1], w.shape[0]) not in _CHOICE:
             _take_rows_path(rows, w.detach())
             n += 1
     return n
