@@ -157,7 +157,7 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     """The trained supernet checkpoint; skipped when it reached the scale's final step, resumed when short."""
     from decode.space import SearchSpace
     from supernet.checkpoint import STATE, recover
-    from supernet.train import TrainConfig, scale_defaults, train
+    from supernet.train import TrainConfig, recipe_changes, scale_defaults, train
 
     out = cfg.run_dir / "supernet"
     ck = out / "checkpoint"
@@ -168,10 +168,16 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     with stage_lock(cfg, "supernet"):
         if recover(ck):
             logger.warning("supernet stage: %s restored after an interrupted save", ck)
-        if (ck / STATE).is_file() and json.loads((ck / STATE).read_text()).get("space") != \
-                SearchSpace.load(train_cfg.space).to_dict():  # e.g. a cache made before the scale changed space
+        saved = json.loads((ck / STATE).read_text()) if (ck / STATE).is_file() else None
+        if saved is not None and saved.get("space") != SearchSpace.load(train_cfg.space).to_dict():
+            # e.g. a cache made before the scale changed space
             logger.warning("supernet stage: %s was trained on another search space than the %s scale's (%s); "
                            "training a new one", ck, cfg.scale, train_cfg.space)
+            shutil.rmtree(ck)
+        elif saved is not None and (changed := recipe_changes(saved.get("config", {}), train_cfg)):
+            # e.g. a cache trained before the scale's recipe changed (feature weight, loss, schedule ...)
+            logger.warning("supernet stage: %s was trained with another recipe than the %s scale's (%s); training "
+                           "a new one", ck, cfg.scale, ", ".join(changed))
             shutil.rmtree(ck)
         if (ck / STATE).is_file():
             step = int(json.loads((ck / STATE).read_text()).get("step", 0))

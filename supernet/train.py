@@ -107,6 +107,25 @@ class TrainConfig:
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+# TrainConfig fields that say where and how long a run trains, not what it learns: a cached checkpoint that
+# differs from a scale only in these is the same recipe (steps: a longer scale resumes it)
+RUN_FIELDS = frozenset({"target", "data", "out", "space", "scale", "steps", "ckpt_every", "val_sequences", "threads",
+                        "time_budget_s", "device", "dtype", "resume"})
+
+
+def recipe_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The recipe fields (loss, schedule, learning rate, ...) in which a checkpoint's saved config differs from
+    `cfg`, as 'name old -> new'. A field the saved config lacks was added later: the run used its default."""
+    out = []
+    for f in fields(TrainConfig):
+        if f.name in RUN_FIELDS:
+            continue
+        old, new = saved.get(f.name, f.default), getattr(cfg, f.name)
+        if old != new:
+            out.append(f"{f.name} {old!r} -> {new!r}")
+    return out
+
+
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with betas (0.9, 0.95), one fused kernel per tensor: torch's CPU default (a loop of small ops
     per tensor) took 32 ms per step against 10 ms fused for the demo supernet's 22.4M weights on 2 cores."""

@@ -5,6 +5,7 @@ resumes losing at most one checkpoint interval, and ends bit-identical to an uni
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -161,14 +162,44 @@ def test_pipeline_retrains_a_cached_supernet_of_another_space(tmp_path, monkeypa
     cfg = PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
     ck = tmp_path / "supernet" / "checkpoint"
     ck.mkdir(parents=True)
-    state = {"step": 10**6, "space": SearchSpace.load("tiny").to_dict()}
-    (ck / ckpt.STATE).write_text(json.dumps(state))
     calls = []
     monkeypatch.setattr(train_mod, "train", lambda c: calls.append(c) or ck)
+    supernet_stage(cfg, tmp_path / "data")  # nothing cached: trains, and shows the scale's config
+    recipe = dataclasses.asdict(calls.pop())
+    state = {"step": 10**6, "space": SearchSpace.load("tiny").to_dict(), "config": recipe}
+    (ck / ckpt.STATE).write_text(json.dumps(state))
     assert supernet_stage(cfg, tmp_path / "data") == ck and not calls  # its own space, trained: reused
     (ck / ckpt.STATE).write_text(json.dumps({**state, "space": SearchSpace.load("default").to_dict()}))
     supernet_stage(cfg, tmp_path / "data")
     assert len(calls) == 1 and calls[0].space == "tiny" and not calls[0].resume  # trained anew, not resumed
+
+
+def test_pipeline_retrains_a_cached_supernet_of_another_recipe(tmp_path, monkeypatch):
+    """A checkpoint trained before the scale's recipe changed (here: feat_weight, and an older config without
+    the field at all, which ran the default) is trained anew; run-only fields (threads, steps) do not count."""
+    import supernet.train as train_mod
+    from nas.pipeline import PipelineConfig, supernet_stage
+    from supernet.train import TrainConfig, recipe_changes
+
+    cfg = PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
+    ck = tmp_path / "supernet" / "checkpoint"
+    calls = []
+    monkeypatch.setattr(train_mod, "train", lambda c: calls.append(c) or ck)
+    supernet_stage(cfg, tmp_path / "data")
+    scale_cfg = calls.pop()
+    recipe = dataclasses.asdict(scale_cfg)
+    ck.mkdir(parents=True)
+    state = {"step": 10**6, "space": SearchSpace.load("tiny").to_dict()}
+    for saved, retrained in [({**recipe, "threads": 7, "steps": 10**6, "out": "elsewhere"}, False),
+                             ({**recipe, "feat_weight": scale_cfg.feat_weight + 0.5}, True),
+                             ({k: v for k, v in recipe.items() if k != "feat_weight"}, scale_cfg.feat_weight != 0.2)]:
+        ck.mkdir(parents=True, exist_ok=True)
+        (ck / ckpt.STATE).write_text(json.dumps({**state, "config": saved}))
+        supernet_stage(cfg, tmp_path / "data")
+        assert bool(calls) == retrained and not (calls and calls[0].resume), saved
+        calls.clear()
+    assert TrainConfig.__dataclass_fields__["feat_weight"].default == 0.2  # what configs saved before it ran
+    assert recipe_changes({"lr": 0.5}, scale_cfg)[0].startswith("lr 0.5 -> ")
 
 
 def test_pipeline_rebuilds_a_cached_data_folder_made_with_other_prompts(tmp_path):
