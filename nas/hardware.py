@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decode.errors import UserError
+from decode.runtime.small_rows import linear_kernels
 from decode.targets.loader import pick_device
 from decode.targets.target import TargetModel
 from hwprofile.device import DeviceInfo, local_device, other_machine
@@ -54,16 +55,25 @@ def check_hardware(name: str, local: str) -> None:
         raise UserError(f"unknown hardware '{name}'; use one of: {', '.join(sorted(set(known) | {local}))}")
 
 
-def stale_attention(profile: Profile, target: TargetModel) -> str | None:
-    """Why a measured profile's verify costs are not this target's: it was measured with another attention
-    implementation (profiles before decode.targets.attention record none: transformers' SDPA, whose
-    repeat_kv made every multi-token verify dearer). None when it matches or the profile is predicted."""
+def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
+    """Why a measured profile's step and verify costs are not this target's now: it was measured with another
+    attention implementation (profiles before decode.targets.attention record none: transformers' SDPA, whose
+    repeat_kv made every multi-token verify dearer), or, on a CPU, with other few-row linear kernels (profiles
+    before decode.runtime.small_rows' cold-weight choice record none: one-row steps ran MKL's one-core GEMV, and
+    some 2-3 row verifies the slower product). None when both match or the profile is predicted."""
+    if profile.predicted:
+        return None
     have = target.model.config._attn_implementation
     theirs = profile.versions.get("attention")
-    if profile.predicted or theirs == have:
-        return None
-    return (f"measured with {'an older' if theirs is None else repr(theirs)} tree attention, not {have!r} "
-            f"(verify costs differ)")
+    if theirs != have:
+        return (f"measured with {'an older' if theirs is None else repr(theirs)} tree attention, not {have!r} "
+                f"(verify costs differ)")
+    if profile.device.get("kind") == "cpu":
+        have, theirs = linear_kernels(), profile.versions.get("linear")
+        if theirs != have:
+            return (f"measured with {'older' if theirs is None else repr(theirs)} few-row linear kernels, not "
+                    f"{have!r} (step and verify costs differ)")
+    return None
 
 
 def check_profile(profile: Profile, path: Path, target: TargetModel, hardware: str | None) -> None:
@@ -101,14 +111,14 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
         if path.is_file():
             prof = Profile.load(path)
             check_profile(prof, path, target, hardware)
-            stale = stale_attention(prof, target)
+            stale = stale_kernels(prof, target)
             if hardware == local and not prof.predicted:
                 differs = other_machine(DeviceInfo.from_dict(prof.device), local_device(pick_device(device)))
                 if differs:  # e.g. a "cpu" profile from another CPU: its verify/step ratios are not this one's
                     logger.warning("hardware %s: the stored profile %s was measured on another machine (%s); "
                                    "not using it", hardware, path, differs)  # then measured (below)
                     continue
-                if stale:  # this machine can measure it again, with the attention decoding now runs
+                if stale:  # this machine can measure it again, with the kernels decoding now runs
                     logger.warning("hardware %s: the stored profile %s was %s; not using it", hardware, path, stale)
                     continue
             elif stale:  # another device's profile: it stays, with a warning

@@ -558,27 +558,33 @@ def test_rows_far_behind_the_best_are_not_confirmed():
     assert out["best neural"]["search"] == {"tau": 1.0, "tau_ci95": [1.0, 1.0], "speedup": 1.0, "sequences": 8}
 
 
-def test_a_stored_profile_measured_with_the_old_tree_attention_is_measured_again(assets, tmp_path, caplog):
-    """Profiles record the attention implementation they timed: one from before the packed grouped-query
-    attention (no record: transformers' repeat_kv made multi-token verifies dearer) overprices trees. On this
+@pytest.mark.parametrize("kernel", ["attention", "linear"])
+def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tmp_path, caplog, kernel):
+    """Profiles record the attention implementation and the few-row linear kernels they timed: one from before
+    the packed grouped-query attention (no record: transformers' repeat_kv made multi-token verifies dearer) or
+    before the cold-weight linear choice (one-row steps on a one-core GEMV) misprices steps and trees. On this
     machine it is skipped, with a warning, and measured again; another device's keeps a warning."""
     import logging
 
+    from decode.runtime.small_rows import linear_kernels
     from hwprofile.schema import Profile
-    from nas.hardware import resolve_profile, stale_attention
+    from nas.hardware import resolve_profile, stale_kernels
 
     target = tiny_target(TARGET)
     data = json.loads(Path(assets["profile"]).read_text())
     assert data["versions"]["attention"] == target.model.config._attn_implementation  # recorded when measured
-    assert stale_attention(Profile.from_json(data), target) is None
-    del data["versions"]["attention"]
-    assert "older tree attention" in stale_attention(Profile.from_json(data), target)
+    assert data["versions"]["linear"] == linear_kernels()
+    assert stale_kernels(Profile.from_json(data), target) is None
+    del data["versions"][kernel]
+    said = "older tree attention" if kernel == "attention" else "older few-row linear kernels"
+    assert said in stale_kernels(Profile.from_json(data), target)
     stored = tmp_path / "stored"
     stored.mkdir()
     (stored / "cpu-tiny-llava.json").write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="nas.hardware"):
         with single_thread():
             choice = resolve_profile(target, None, None, [stored], tmp_path / "run", quick=True)
-    assert any("older tree attention" in r.getMessage() for r in caplog.records)
+    assert any(said in r.getMessage() for r in caplog.records)
     assert choice.path == tmp_path / "run" / "cpu-tiny-llava.json" and choice.path.is_file()  # measured here
     assert Profile.load(choice.path).versions["attention"] == target.model.config._attn_implementation
+    assert Profile.load(choice.path).versions["linear"] == linear_kernels()

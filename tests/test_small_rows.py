@@ -41,13 +41,14 @@ def test_which_calls_take_the_new_path(monkeypatch, forced):
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     w = torch.randn(8200, 32)
     linear(torch.randn(3, 32), w)
+    linear(torch.randn(1, 32), w)  # one row: two identical columns of W @ X, not MKL's one-core GEMV
     assert calls == []  # few rows: W @ x^T
-    linear(torch.randn(1, 32), w)  # one row: GEMV stays
     linear(torch.randn(3, 32, requires_grad=True), w)  # training: autograd through F.linear
     linear(torch.randn(3, 32, dtype=torch.float64), w.double())  # not float32
     linear(torch.randn(small_rows.SMALL_ROWS + 1, 32), w)  # prefill-sized
     monkeypatch.setattr(small_rows, "MODE", "off")
     linear(torch.randn(3, 32), w)
+    linear(torch.randn(1, 32), w)
     assert len(calls) == 5
 
 
@@ -59,6 +60,7 @@ def test_auto_mode_takes_the_product_measured_faster_once_per_shape(monkeypatch,
 
     monkeypatch.setattr(small_rows, "MODE", "auto")
     monkeypatch.setattr(small_rows, "_CHOICE", {})
+    monkeypatch.setattr(small_rows, "MAX_COPIES", 2)  # two weights per timing sample: the sleeps below stay short
     real_rows, real_plain = small_rows._rows_product, torch.nn.functional.linear
     if slow == "rows":
         monkeypatch.setattr(small_rows, "_rows_product", lambda x, w: time.sleep(0.002) or real_rows(x, w))
@@ -73,6 +75,24 @@ def test_auto_mode_takes_the_product_measured_faster_once_per_shape(monkeypatch,
     linear(torch.randn(2, 32), w)
     assert measured == [3, 2]  # once per (rows, in, out)
     assert small_rows.choices() == {"2x32->64": slow == "plain", "3x32->64": slow == "plain"}
+
+
+def test_timing_streams_the_weight_from_memory(monkeypatch):
+    """Timed over one weight again and again, a weight stays in cache and the choice misleads for a whole model,
+    whose weights outgrow every cache: each timing sample runs through COLD_BYTES of distinct clones."""
+    monkeypatch.setattr(small_rows, "COLD_BYTES", 1 << 20)
+    w = torch.randn(256, 64)  # 64 KiB
+    copies = small_rows._cold_copies(w)
+    assert len(copies) == 16 and copies[0] is w
+    assert len({c.data_ptr() for c in copies}) == 16 and all(torch.equal(c, w) for c in copies)
+    assert len(small_rows._cold_copies(torch.randn(1024, 1024))) == 1  # 4 MiB: itself is enough
+    monkeypatch.setattr(small_rows, "MAX_COPIES", 4)
+    assert len(small_rows._cold_copies(w)) == 4
+    seen = []
+    real = small_rows._rows_product
+    monkeypatch.setattr(small_rows, "_rows_product", lambda x, wt: seen.append(wt.data_ptr()) or real(x, wt))
+    small_rows._measure(2, w, reps=1)
+    assert len(set(seen)) == 4  # every copy, not the same weight four times
 
 
 def test_gradients_flow_as_with_f_linear():

@@ -8,11 +8,14 @@ same product, W read in place) took 3.1 and 4.0 ms, and verifying a 2-3 token tr
 step. On another 2-core Xeon (AVX-512 + AMX) it is the other way round: F.linear 2.4 ms for 1-3 rows of the
 same head, W @ x^T 7.9 ms, and a 2-4 token verify through W @ x^T cost 2.2x a step against 1.1-1.5x with
 F.linear. So no fixed rule is right: in the default mode `auto`, the first call with a given (rows, in,
-out) shape times both products on its real weight (a few alternating runs, medians) and every later call
-of that shape takes the faster one; W @ x^T must win by 10% to be taken.
+out) shape times both products on its real weight (a few alternating runs, medians; each run streams clones
+of the weight from memory, as a forward through the whole model does) and every later call of that shape
+takes the faster one; W @ x^T must win by 10% to be taken.
 
-Only CPU float32 inference calls with 2..SMALL_ROWS rows are candidates; one row (MKL's GEMV), prefill,
-training (autograd) and other devices or dtypes always run F.linear.
+CPU float32 inference calls with 1..SMALL_ROWS rows are candidates. One row too: MKL's one-column product
+(GEMV) streams the weight on one core, and the same row as two identical columns of W @ X runs on all
+threads, which made a decoding step of the default target 13-25% faster on a 2-core AMD EPYC (README).
+Prefill, training (autograd) and other devices or dtypes always run F.linear.
 
 Inside a torch.compile graph (the compiled runtime) inductor lowers F.linear to the same transposed-weight
 GEMM, with the same cost: on a 2-core AMD EPYC (AVX2) the compiled LM head took 46-100 ms for 2-8 rows
@@ -39,6 +42,9 @@ import torch
 
 SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep F.linear
 MARGIN = 0.9  # auto: W @ x^T is taken when its median time is below MARGIN x F.linear's
+COLD_BYTES = 128 << 20  # weights streamed per timing sample: four times a 32 MiB last-level cache
+MAX_COPIES = 256  # tiny weights: at most this many clones per timing sample
+VERSION = "rows-cold-2"  # how the choice is made; profiles record it (verify and step costs depend on it)
 MODES = ("auto", "on", "off")
 
 
@@ -54,32 +60,49 @@ _CHOICE: dict[tuple[int, int, int], bool] = {}  # (rows, in, out) -> W @ x^T is 
 
 
 def _rows_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (weight @ x2.T).T  # (rows, out): W (out, in) is read in place, not re-packed
+    """x2 (rows, in) -> (rows, out) as W @ x^T: W (out, in) is read in place, not re-packed. x2 is made contiguous
+    first: the input of an MLP's down projection comes out of the up projection's transposed product, and with
+    that layout W @ x^T took 19 ms against 8 for the default target's 30 down projections of a 2-token verify.
+    One row runs as two identical columns: MKL computes W @ x for one column as a GEMV that streams the weight on
+    one core, while a two-column product runs on all threads (measured 34 against 49 ms for the default target's
+    linear layers + LM head on 2 AMD EPYC cores)."""
+    rows = x2.shape[0]
+    cols = torch.cat([x2, x2]) if rows == 1 else x2.contiguous()  # (max(rows, 2), in)
+    return (weight @ cols.T)[:, :rows].T.contiguous()  # (rows, out), contiguous as F.linear's: later ops keep layouts
 
 
-def _measure(rows: int, weight: torch.Tensor, reps: int = 7, sample_s: float = 2e-4) -> bool:
-    """True when W @ x^T beats F.linear for `rows` rows through this weight on this machine: medians of
-    `reps` alternating samples, each sample repeating the product until it lasts about `sample_s` (a
-    576 x 576 projection of 3 rows takes some 10-40 us: single calls would time the clock's noise)."""
+def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight and clones of it, COLD_BYTES in all (at most MAX_COPIES tensors): timing a product over them in
+    turn reads each weight from memory, as a decoding forward does (its layers' weights outgrow every cache);
+    timed over one weight again and again, the weight stays in cache and the choice was wrong for the model
+    (one 2-core AMD EPYC: F.linear looked as fast for 2-row inputs of the 576 x 1536 MLP weights, then took
+    53 ms against 24 ms for the default target's layers in a real 2-token verify)."""
+    n = max(1, min(MAX_COPIES, -(-COLD_BYTES // max(1, weight.numel() * weight.element_size()))))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
+
+
+def _measure(rows: int, weight: torch.Tensor, reps: int = 5) -> bool:
+    """True when W @ x^T beats F.linear for `rows` rows through this weight on this machine: medians of `reps`
+    alternating samples, each sample one product through every copy of _cold_copies (from memory, not cache)."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    copies = _cold_copies(weight)
 
     def plain() -> None:
-        torch.nn.functional.linear(x, weight)
+        for w in copies:
+            torch.nn.functional.linear(x, w)
 
     def mine() -> None:
-        _rows_product(x, weight)
+        for w in copies:
+            _rows_product(x, w)
 
     with torch.no_grad():
-        t0 = time.perf_counter()
         plain()
         mine()
-        k = max(1, min(64, int(sample_s / max(time.perf_counter() - t0, 1e-7) * 2)))
         times: dict = {plain: [], mine: []}
         for _ in range(reps):
             for f in (plain, mine):
                 t0 = time.perf_counter()
-                for _ in range(k):
-                    f()
+                f()
                 times[f].append(time.perf_counter() - t0)
     return statistics.median(times[mine]) < MARGIN * statistics.median(times[plain])
 
@@ -94,6 +117,11 @@ def _take_rows_path(rows: int, weight: torch.Tensor) -> bool:
     return faster
 
 
+def linear_kernels() -> str:
+    """How few-row CPU linear products are chosen in this process (VERSION:MODE); profiles record it."""
+    return f"{VERSION}:{MODE}"
+
+
 def choices() -> dict[str, bool]:
     """What auto mode measured so far: "rows x in -> out" -> W @ x^T taken."""
     return {f"{r}x{i}->{o}": v for (r, i, o), v in sorted(_CHOICE.items())}
@@ -103,7 +131,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), through W @ x^T where that is faster (few rows, CPU, float32, inference).
     x: (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    few = (2 <= rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+    few = (1 <= rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
            and weight.dtype == torch.float32)
     if torch.compiler.is_compiling():  # the compiled runtime: the choice measured before tracing, read as a constant
         take = few and _measured_faster(rows, weight.shape[1], weight.shape[0])
@@ -128,7 +156,7 @@ def _measured_faster(rows: int, n_in: int, n_out: int) -> bool:
 def measure_linears(model: torch.nn.Module, rows: int) -> int:
     """Time (auto mode) the choice for `rows`-row inputs of every float32 CPU nn.Linear of `model` that has not
     been timed yet, so that a graph compiled afterwards takes the faster product; -> shapes measured now."""
-    if MODE != "auto" or not 2 <= rows <= SMALL_ROWS:
+    if MODE != "auto" or not 1 <= rows <= SMALL_ROWS:
         return 0
     n = 0
     for module in model.modules():
