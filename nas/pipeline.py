@@ -180,9 +180,11 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
                            "a new one", ck, cfg.scale, ", ".join(changed))
             shutil.rmtree(ck)
         if (ck / STATE).is_file():
-            step = int(json.loads((ck / STATE).read_text()).get("step", 0))
-            if step >= train_cfg.steps:
-                logger.info("supernet stage: reusing %s (step %d)", ck, step)
+            state = json.loads((ck / STATE).read_text())
+            step = int(state.get("step", 0))
+            if step >= train_cfg.steps or state.get("budget_spent"):  # the scale's steps, or its time budget, done
+                logger.info("supernet stage: reusing %s (step %d%s)", ck, step,
+                            ", time budget spent" if step < train_cfg.steps else "")
                 return ck
             logger.warning("supernet stage: resuming %s from step %d of %d", ck, step, train_cfg.steps)
             train_cfg = TrainConfig(**{**asdict(train_cfg), "resume": True})

@@ -12,7 +12,8 @@ the whole vocabulary; --loss full: the whole vocabulary, --max-positions per seq
 regression of the target's final feature (+ the entropy-layer feature where used), over a
 multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
 --init-from-target starts the draft layers from the target's last decoder layer (decode/drafts/from_target.py);
---time-budget-s stops after that much training time (the LR schedule then follows time). AdamW,
+--time-budget-s stops after that much training time, counted across --resume (the checkpoint keeps the clock;
+the LR schedule then follows time, and a run stopped by its budget is finished). AdamW,
 linear warm-up then cosine decay, gradient clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
 exactly: the subnets and sequences of step s derive from (seed, s)), a CSV log, tqdm.
 """
@@ -276,14 +277,14 @@ def train(cfg: TrainConfig) -> Path:
         with log_file.open("w", newline="") as f:
             csv.writer(f).writerows([kept[0]] + [r for r in kept[1:] if r and int(r[0]) < start])
     on_gpu = target.device.type == "cuda"
-    t0 = time.perf_counter()
+    # the clock of a time budget (and of the LR schedule that follows it) goes on from the checkpoint's
+    t0 = time.perf_counter() - (float(state.get("elapsed_s", 0.0)) if cfg.resume else 0.0)
     bar = tqdm(range(start, cfg.steps), desc="supernet", disable=not d.main, initial=start, total=cfg.steps)
     bad_steps = 0
     for step in bar:
         if cfg.time_budget_s > 0 and time.perf_counter() - t0 >= cfg.time_budget_s:
             logger.info("time budget of %.0f s reached after %d steps", cfg.time_budget_s, step)
-            if step > start:
-                _save(ck_dir, model, opt, step, cfg, space, target, data, d)
+            _save(ck_dir, model, opt, step, cfg, space, target, data, d, time.perf_counter() - t0, budget_spent=True)
             break
         lr = cfg.lr_at(step, time.perf_counter() - t0)
         for group in opt.param_groups:
@@ -324,7 +325,7 @@ def train(cfg: TrainConfig) -> Path:
             with log_file.open("a", newline="") as f:
                 csv.writer(f).writerows(rows)
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-            _save(ck_dir, model, opt, step + 1, cfg, space, target, data, d)
+            _save(ck_dir, model, opt, step + 1, cfg, space, target, data, d, time.perf_counter() - t0)
     if d.main and val_ids:
         evals = evaluate(model, data, val_ids, loss_cfg)
         logger.info("held-out: %s", {r: {k: round(v, 3) for k, v in s.items()} for r, s in evals.items()})
@@ -336,11 +337,14 @@ def train(cfg: TrainConfig) -> Path:
     return ck_dir
 
 
-def _save(ck_dir, model, opt, step, cfg, space, target, data, d) -> None:
+def _save(ck_dir, model, opt, step, cfg, space, target, data, d, elapsed_s: float, budget_spent: bool = False) -> None:
+    """The checkpoint at `step`; elapsed_s: training wall-clock so far (a resumed run's budget and LR schedule go
+    on from it); budget_spent: the run stopped at its time budget, so it is finished short of cfg.steps."""
     if d.main:
         state = {"step": step, "config": asdict(cfg), "space": space.to_dict(), "entropy_layer": data.entropy_layer,
                  "target": target.fingerprint().to_dict(), "target_name": target.name, "dims": asdict(model.dims),
-                 "data": str(cfg.data), "format": "vlm-draft-nas/supernet-v1"}
+                 "data": str(cfg.data), "format": "vlm-draft-nas/supernet-v1", "elapsed_s": round(elapsed_s, 2),
+                 "budget_spent": budget_spent}
         ckpt.save_checkpoint(ck_dir, model, opt, state)
     barrier(d)
 

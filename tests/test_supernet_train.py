@@ -197,3 +197,46 @@ def test_a_one_network_space_runs_one_pass_per_step(data_dir, tmp_path):
     train(_cfg(data_dir, tmp_path / "run", space=str(space), steps=3, n_random=1, reorder_at=0, val_sequences=0))
     rows = _losses(tmp_path / "run")
     assert [(s, r) for s, r, _ in rows] == [("0", "largest"), ("1", "largest"), ("2", "largest")]
+
+
+class _Clock:
+    """A training clock that advances 10 s per step (at each step's draw of sequences); `kill_at` raises there."""
+
+    def __init__(self, kill_at: float | None = None):
+        self.now, self.kill_at = 0.0, kill_at
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_time_budget_counts_across_a_kill_and_resume(data_dir, tmp_path, monkeypatch):
+    """A time-budgeted run keeps its clock in the checkpoint: killed and resumed, it stops after the same
+    training time and steps as a run never interrupted, with the same weights; the stopped checkpoint says
+    that its budget is spent (the pipeline's supernet stage then reuses it instead of training on)."""
+    import supernet.train as train_mod
+
+    real_ids = train_mod.sequence_ids
+
+    def run(out, clock, **kw):
+        def ids(*a, **k):
+            clock.now += 10.0
+            if clock.kill_at is not None and clock.now >= clock.kill_at:
+                raise KeyboardInterrupt  # killed inside a step, after the checkpoint of step 2
+            return real_ids(*a, **k)
+        monkeypatch.setattr(train_mod, "time", clock)
+        monkeypatch.setattr(train_mod, "sequence_ids", ids)
+        train(_cfg(data_dir, out, steps=100, time_budget_s=55.0, ckpt_every=2, **kw))
+
+    run(tmp_path / "straight", _Clock())
+    clock = _Clock(kill_at=40.0)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "split", clock)
+    assert ckpt.read_state(tmp_path / "split" / "checkpoint")["step"] == 2
+    clock.kill_at = None
+    run(tmp_path / "split", clock, resume=True)
+    states = [ckpt.read_state(tmp_path / r / "checkpoint") for r in ("straight", "split")]
+    assert [(s["step"], s["elapsed_s"], s["budget_spent"]) for s in states] == [(6, 60.0, True)] * 2
+    assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
+    a = load_file(str(tmp_path / "straight" / "checkpoint" / ckpt.MODEL))
+    b = load_file(str(tmp_path / "split" / "checkpoint" / ckpt.MODEL))
+    assert all(torch.equal(a[k], b[k]) for k in a)
