@@ -63,16 +63,13 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
     some 2-3 row verifies the slower product). None when both match or the profile is predicted."""
     if profile.predicted:
         return None
-    have = target.model.config._attn_implementation
-    theirs = profile.versions.get("attention")
-    if theirs != have:
-        return (f"measured with {'an older' if theirs is None else repr(theirs)} tree attention, not {have!r} "
-                f"(verify costs differ)")
+    checks = [("attention", target.model.config._attn_implementation, "tree attention", "verify costs differ")]
     if profile.device.get("kind") == "cpu":
-        have, theirs = linear_kernels(), profile.versions.get("linear")
+        checks.append(("linear", linear_kernels(), "few-row linear kernels", "step and verify costs differ"))
+    for key, have, what, why in checks:
+        theirs = profile.versions.get(key)
         if theirs != have:
-            return (f"measured with {'older' if theirs is None else repr(theirs)} few-row linear kernels, not "
-                    f"{have!r} (step and verify costs differ)")
+            return f"measured with {'older' if theirs is None else repr(theirs)} {what}, not {have!r} ({why})"
     return None
 
 

@@ -174,7 +174,6 @@ def test_pipeline_retrains_a_cached_supernet_of_another_space(tmp_path, monkeypa
     (ck / ckpt.STATE).write_text(json.dumps({**state, "step": 3}))
     supernet_stage(cfg, tmp_path / "data")
     assert len(calls) == 1 and calls.pop().resume  # short of its steps and of its budget: resumed
-    (ck / ckpt.STATE).write_text(json.dumps(state))
     (ck / ckpt.STATE).write_text(json.dumps({**state, "space": SearchSpace.load("default").to_dict()}))
     supernet_stage(cfg, tmp_path / "data")
     assert len(calls) == 1 and calls[0].space == "tiny" and not calls[0].resume  # trained anew, not resumed

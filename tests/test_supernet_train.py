@@ -200,13 +200,19 @@ def test_a_one_network_space_runs_one_pass_per_step(data_dir, tmp_path):
 
 
 class _Clock:
-    """A training clock that advances 10 s per step (at each step's draw of sequences); `kill_at` raises there."""
+    """A stand-in for supernet.train's `time`: 10 s pass at each step's draw of sequences (`tick`); at `kill_at`
+    the run is killed there (KeyboardInterrupt)."""
 
     def __init__(self, kill_at: float | None = None):
         self.now, self.kill_at = 0.0, kill_at
 
     def perf_counter(self) -> float:
         return self.now
+
+    def tick(self) -> None:
+        self.now += 10.0
+        if self.kill_at is not None and self.now >= self.kill_at:
+            raise KeyboardInterrupt
 
 
 def test_a_time_budget_counts_across_a_kill_and_resume(data_dir, tmp_path, monkeypatch):
@@ -218,18 +224,13 @@ def test_a_time_budget_counts_across_a_kill_and_resume(data_dir, tmp_path, monke
     real_ids = train_mod.sequence_ids
 
     def run(out, clock, **kw):
-        def ids(*a, **k):
-            clock.now += 10.0
-            if clock.kill_at is not None and clock.now >= clock.kill_at:
-                raise KeyboardInterrupt  # killed inside a step, after the checkpoint of step 2
-            return real_ids(*a, **k)
         monkeypatch.setattr(train_mod, "time", clock)
-        monkeypatch.setattr(train_mod, "sequence_ids", ids)
+        monkeypatch.setattr(train_mod, "sequence_ids", lambda *a, **k: clock.tick() or real_ids(*a, **k))
         train(_cfg(data_dir, out, steps=100, time_budget_s=55.0, ckpt_every=2, **kw))
 
     run(tmp_path / "straight", _Clock())
     clock = _Clock(kill_at=40.0)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # killed inside step 3, after the checkpoint of step 2
         run(tmp_path / "split", clock)
     assert ckpt.read_state(tmp_path / "split" / "checkpoint")["step"] == 2
     clock.kill_at = None
