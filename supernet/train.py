@@ -78,6 +78,7 @@ class TrainConfig:
     loss: str = "topk"  # topk: distil over the target's stored top-k + `negatives` frequent tokens | full: whole vocab
     negatives: int = 1024  # topk loss: the most frequent answer tokens every position also scores (0 = none)
     full_positions: int = 32  # topk loss: positions per sequence and unroll step also scored over the whole vocabulary
+    feat_noise: float = 0.0  # U(-a, a) x feature RMS added to the target features the draft reads (LossConfig)
     init_from_target: bool = False  # draft layers start as the target's last decoder layer (decode/drafts/from_target.py)
     init_fusion: bool = False  # with init_from_target: identity feat_fc and in_fc = [I, I]
     schedule: str = "sandwich"  # sandwich from step 0 | progressive: largest, then elastic depth, then everything
@@ -95,7 +96,7 @@ class TrainConfig:
     def loss_config(self) -> LossConfig:
         return LossConfig(unroll=self.unroll, decay=self.unroll_decay, feat_weight=self.feat_weight,
                           max_positions=self.max_positions, answer_only=self.answer_only, loss=self.loss,
-                          full_positions=self.full_positions)
+                          full_positions=self.full_positions, feat_noise=self.feat_noise)
 
     def lr_at(self, step: int, elapsed_s: float = 0.0) -> float:
         """Linear warm-up to lr, then cosine decay to 10% of it; with a time budget the decay follows
@@ -212,7 +213,7 @@ def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: 
     for role, arch in (("largest", model.space.largest(model.entropy_layer)),
                        ("smallest", model.space.smallest(model.entropy_layer))):
         model.set_active(arch)
-        stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0, loss="full"))[1] for i in ids]
+        stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0, loss="full", feat_noise=0.0))[1] for i in ids]
         keys = {k for s in stats for k in s}
         # sequences without scored positions lack the per-step figures: average over those that have them
         out[role] = {k: sum(s[k] for s in stats if k in s) / max(1, sum(k in s for s in stats)) for k in sorted(keys)}

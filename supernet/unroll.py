@@ -35,10 +35,16 @@ class LossConfig:
     answer_only: bool = True  # score positions that predict answer tokens (what a draft proposes at run time)
     loss: str = "topk"  # topk: softmax over the target's stored top-k + shared negatives | full: whole vocabulary
     full_positions: int = 32  # topk loss: also this many (seeded) positions per step with the full-vocabulary loss
+    # uniform noise on the target features the draft reads (both its fused input and its cross-attention memory),
+    # U(-a, a) times each position's feature RMS: at run time the draft reads its own, imperfect features from
+    # tree depth 2 on, and with a few hundred sequences it memorises clean ones (EAGLE trains with such noise)
+    feat_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in ("topk", "full"):
             raise ValueError(f"unknown loss '{self.loss}'; use topk or full")
+        if not self.feat_noise >= 0:
+            raise ValueError(f"feat_noise must be >= 0, got {self.feat_noise}")
 
 
 def unroll_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -86,6 +92,15 @@ def topk_ce(logits_c: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor
     return _ce_kl(logq, topk_logits, lse)
 
 
+def noisy(x: torch.Tensor, amplitude: float, gen: torch.Generator | None) -> torch.Tensor:
+    """x (T, D) plus U(-amplitude, amplitude) * the RMS of each row (a scale-free amount for any target's features)."""
+    if amplitude <= 0:
+        return x
+    u = torch.rand(x.shape, generator=gen, dtype=torch.float32).to(device=x.device, dtype=x.dtype)  # (T, D) in [0, 1)
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)  # (T, 1)
+    return x + (2 * u - 1) * amplitude * rms
+
+
 def visible_positions(arch: DraftArch, image_mask: torch.Tensor, attn_received: torch.Tensor) -> torch.Tensor:
     """Sequence indices the draft sees: all text tokens + the most attended visual_keep of images."""
     keep = torch.ones_like(image_mask, dtype=torch.bool)
@@ -121,6 +136,9 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 
     dev = model.feat_fc.weight.device
     hid = {k: v.to(dev) for k, v in seq["hidden"].items()}
     feats = torch.cat([hid[normalize_layer(x, num_layers)] for x in arch.feature_layers], dim=-1)  # (T, F*H)
+    # seeded like the scored positions: every subnet of a step sees the same noise (the sandwich compares like
+    # with like) and a resumed run draws what the uninterrupted one would have
+    feats = noisy(feats, cfg.feat_noise, torch.Generator().manual_seed(seed * 41 + 7) if cfg.feat_noise > 0 else None)
     last = hid[num_layers]  # (T, H) regression target: the target's final hidden state
     keep = visible_positions(arch, seq["image_mask"], seq["attn_received"]).to(dev)
     ids = seq["input_ids"].to(dev)[keep]

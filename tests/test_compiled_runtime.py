@@ -59,7 +59,7 @@ def test_compiled_runtime_is_token_identical_for_every_draft_kind(family, kinds)
 
 
 def test_bucket_sizes():
-    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 60, 128, 129)] == [1, 2, 4, 8, 8, 16, 64, 128, 256]
+    assert [bucket(n) for n in (1, 2, 3, 5, 6, 8, 9, 60, 128, 129)] == [1, 2, 4, 5, 8, 8, 16, 64, 128, 256]
     assert list(BUCKETS) == sorted(BUCKETS)
 
 
@@ -88,7 +88,7 @@ def test_no_recompilation_after_warm_up():
     with single_thread():
         target.use_runtime("compiled")
         speculative_generate(target, draft, tiny_prompt(target, TEXT), 8, policy=policy)
-        assert target.warm_buckets(draft.default_tree.total_tokens + 1, draft.feature_layers) == [1, 2, 4, 8, 16]
+        assert target.warm_buckets(draft.default_tree.total_tokens + 1, draft.feature_layers) == [1, 2, 4, 5, 8, 16]
         before = graph_count()
         cycles, accepted = 0, set()
         for text in (TEXT, "Once upon a time there was", "one two three one two three one two three one"):

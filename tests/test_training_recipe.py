@@ -310,3 +310,30 @@ def test_repeated_sandwich_networks_train_once_with_the_same_gradient():
 
     for a, b in zip(grads([1 / 3, 1 / 3, 1 / 3]), grads([3 / 3]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_feature_noise_is_bounded_seeded_and_leaves_the_regression_target_alone():
+    from supernet.unroll import noisy
+    x = torch.randn(6, 16) * torch.arange(1, 7)[:, None]  # rows of different scale
+    assert noisy(x, 0.0, None) is x
+    a = noisy(x, 0.1, torch.Generator().manual_seed(3))
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert bool(((a - x).abs() <= 0.1 * rms + 1e-6).all()) and not torch.equal(a, x)
+    torch.testing.assert_close(a, noisy(x, 0.1, torch.Generator().manual_seed(3)))
+    assert not torch.equal(a, noisy(x, 0.1, torch.Generator().manual_seed(4)))
+    # in the loss: the same seed gives the same noisy loss, another seed another one, and the stored target
+    # features (also the regression target) are left as they were
+    target = tiny_target("tiny-llama")
+    net = _tiny_supernet(target)
+    net.set_active(replace(net.space.largest(1), fusion="concat"))
+    seq = _sequence(target, topk=8)
+    before = {k: v.clone() for k, v in seq["hidden"].items()}
+    cfg = LossConfig(unroll=2, answer_only=False, loss="full")
+    clean, _ = subnet_losses(net, seq, cfg, seed=5)
+    n1, _ = subnet_losses(net, seq, replace(cfg, feat_noise=0.5), seed=5)
+    n2, _ = subnet_losses(net, seq, replace(cfg, feat_noise=0.5), seed=5)
+    n3, _ = subnet_losses(net, seq, replace(cfg, feat_noise=0.5), seed=6)
+    assert float(n1) == float(n2) and float(n1) != float(clean) and float(n1) != float(n3)
+    assert all(torch.equal(before[k], seq["hidden"][k]) for k in before)
+    with pytest.raises(ValueError, match="feat_noise"):
+        LossConfig(feat_noise=-1.0)

@@ -12,7 +12,7 @@ its own size, so each cycle has new shapes and the host does a little work per l
   committed..committed+B-1 (B = N padded to a bucket), committing the accepted path is an in-place
   copy of its m entries to committed..committed+m-1, and entries beyond the committed length are stale
   but always masked out;
-- a tree of N nodes runs as B >= N tokens (buckets 1, 2, 4, 8, ...): the B - N dummy nodes attend only
+- a tree of N nodes runs as B >= N tokens (buckets 1, 2, 4, 5, 8, 16, ...): the B - N dummy nodes attend only
   to themselves and their outputs are dropped, so they never change a token (tested);
 - the decoder forward + LM head of one bucket is one torch.compile graph (inductor on a CPU, CUDA graphs
   through mode "reduce-overhead" on a GPU); on a CPU its few-row linear layers take the product measured
@@ -40,7 +40,10 @@ logger = logging.getLogger(__name__)
 RUNTIMES = ("eager", "compiled")
 ANSWER_ROOM = 384  # positions a prefill leaves free for the answer and its trees when the caller names none
 GRAIN = 128  # the static cache's length is a multiple of this
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# 5: a root and 4 drafted tokens (4x1/4, 2x2/4: the trees a CPU profile picks) padded to 8 cost 1.32x a compiled
+# step, run as 5 rows 0.99x, on a 2-core AMD EPYC (benchmarks/results/runtime-verify-ab-cpu.json); 6-7 rows cost
+# as much as 8 there, so they stay padded
+BUCKETS = (1, 2, 4, 5, 8, 16, 32, 64, 128)
 RECOMPILE_LIMIT = 256
 
 
