@@ -34,6 +34,7 @@ from decode.loop.speculative import SpecResult, speculative_generate
 from decode.loop.tree import TreePolicy
 from decode.loop.vanilla import GenerationResult, vanilla_generate
 from decode.prompt import Prompt
+from decode.runtime import small_rows
 from decode.targets.target import TargetModel
 
 if TYPE_CHECKING:
@@ -199,7 +200,16 @@ def identical(a: GenerationResult, b: GenerationResult, sampling: SamplingConfig
 def warm_up(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,
             sampling: SamplingConfig) -> None:
     """One untimed generation per method (allocator, kernels, caches); on the compiled runtime also every tree
-    bucket the method may meet, so that nothing compiles in a timed run."""
+    bucket the method may meet, so that nothing compiles in a timed run. First the few-row linear kernels of
+    the target (every tree size a method's policy allows) and of each draft network (every row count) are
+    chosen (decode.runtime.small_rows): chosen lazily, their timing landed inside timed generations (the
+    eager neural draft's drafting took 545 ms per prompt against 172 ms once measured, README)."""
+    rows = [m.draft.max_nodes(m.policy) for m in methods if m.draft is not None and m.policy is not None]
+    rows += [m.hf.lookup_tokens + 1 for m in methods if m.hf is not None]  # transformers' lookup verifies N + 1
+    small_rows.measure_rows(target.model, max(rows, default=1))
+    for m in methods:
+        for net in m.draft.networks() if m.draft is not None else ():
+            small_rows.measure_rows(net)
     for m in methods:
         if m.supports(prompt):
             logger.info("warm-up: %s", m.name)

@@ -143,3 +143,32 @@ def test_compiled_graphs_take_the_product_measured_before_tracing(monkeypatch, f
     assert any("linear" in o for o in ops) != faster
     assert any("matmul" in o for o in ops) == faster
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("spec", ["random:concat", "random:cross+lookup"])
+def test_warm_up_chooses_every_kernel_before_the_timed_runs(monkeypatch, spec):
+    """Chosen lazily, a kernel choice was timed inside a timed generation (~0.1-0.2 s each on the default target):
+    the bench's warm-up measures every few-row shape of the draft's networks (1..SMALL_ROWS rows) and of the
+    target (up to the largest tree), so a timed generation afterwards measures nothing."""
+    from decode.benchio import Method, make_policy, warm_up
+    from decode.loop.sampling import SamplingConfig
+
+    monkeypatch.setattr(small_rows, "MODE", "auto")
+    monkeypatch.setattr(small_rows, "_CHOICE", {})
+    timed = []
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, w: timed.append(rows) or rows % 2 == 0)
+    target = tiny_target("tiny-llava")
+    draft = make_draft(spec, target)
+    policy = make_policy(draft, None, {})
+    methods = [Method.vanilla(), Method(draft.name, draft, policy)]
+    prompt = tiny_prompt(target)
+    warm_up(target, prompt, methods, 16, SamplingConfig())
+    net = draft.networks()[0]
+    shapes = {(w.shape[1], w.shape[0]) for w in (m.weight for m in net.modules() if type(m) is torch.nn.Linear)}
+    assert {(r, i, o) for r in range(1, small_rows.SMALL_ROWS + 1) for i, o in shapes} <= set(small_rows._CHOICE)
+    head = target.lm_head.weight
+    assert all((r, head.shape[1], head.shape[0]) in small_rows._CHOICE for r in range(1, min(draft.max_nodes(policy), small_rows.SMALL_ROWS) + 1))
+    timed.clear()
+    for other in ("Tell me a story about the sea.", "one two three one two three"):
+        speculative_generate(target, draft, tiny_prompt(target, other), 16, policy=policy)
+    assert timed == []

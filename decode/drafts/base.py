@@ -42,6 +42,11 @@ class Draft(ABC):
         reserves cache room for it (more still works, at the cost of a larger cache and a recompilation)."""
         return policy.spec.total_tokens + 1
 
+    def networks(self) -> tuple[torch.nn.Module, ...]:
+        """The draft's own networks (not the target's), whose linear layers it runs with few-row inputs: a warm-up
+        times their kernel choices (decode.runtime.small_rows) before any timed generation."""
+        return ()
+
     @abstractmethod
     def start(self, target: "TargetModel", prompt: "Prompt", prefill: "PrefillOutput") -> None: ...
 

@@ -38,6 +38,9 @@ class MergedDraft(Draft):
         self.attention_stats = neural.attention_stats
         self.default_tree = neural.default_tree
 
+    def networks(self):
+        return self.neural.networks()
+
     def max_nodes(self, policy) -> int:
         return self.neural.max_nodes(policy) + self.lookup.spec.total_tokens  # both trees whole, one shared root
 

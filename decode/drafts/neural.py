@@ -30,6 +30,9 @@ class NeuralDraft(ModelDraft):
         self.attention_stats = arch.visual_keep < 1.0
         self.default_tree = arch.tree
 
+    def networks(self) -> tuple[torch.nn.Module, ...]:
+        return (self.model,)
+
     # ------------------------------------------------------------------ state
     def _feats(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """{layer: (m, H)} -> (m, F*H) in feature_layers order."""
