@@ -213,7 +213,8 @@ def evaluate(model: DraftSupernet, data: FeatureData, ids: list[int], loss_cfg: 
     for role, arch in (("largest", model.space.largest(model.entropy_layer)),
                        ("smallest", model.space.smallest(model.entropy_layer))):
         model.set_active(arch)
-        stats = [subnet_losses(model, data[i], replace(loss_cfg, max_positions=0, loss="full", feat_noise=0.0))[1] for i in ids]
+        clean = replace(loss_cfg, max_positions=0, loss="full", feat_noise=0.0)  # validation: every position, no noise
+        stats = [subnet_losses(model, data[i], clean)[1] for i in ids]
         keys = {k for s in stats for k in s}
         # sequences without scored positions lack the per-step figures: average over those that have them
         out[role] = {k: sum(s[k] for s in stats if k in s) / max(1, sum(k in s for s in stats)) for k in sorted(keys)}

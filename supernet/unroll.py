@@ -92,10 +92,12 @@ def topk_ce(logits_c: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor
     return _ce_kl(logq, topk_logits, lse)
 
 
-def noisy(x: torch.Tensor, amplitude: float, gen: torch.Generator | None) -> torch.Tensor:
-    """x (T, D) plus U(-amplitude, amplitude) * the RMS of each row (a scale-free amount for any target's features)."""
+def noisy(x: torch.Tensor, amplitude: float, seed: int) -> torch.Tensor:
+    """x (T, D) plus U(-amplitude, amplitude) * the RMS of each row (a scale-free amount for any target's features),
+    drawn from `seed`; x itself when amplitude is 0."""
     if amplitude <= 0:
         return x
+    gen = torch.Generator().manual_seed(seed)
     u = torch.rand(x.shape, generator=gen, dtype=torch.float32).to(device=x.device, dtype=x.dtype)  # (T, D) in [0, 1)
     rms = x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype)  # (T, 1)
     return x + (2 * u - 1) * amplitude * rms
@@ -138,7 +140,7 @@ def subnet_losses(model: DraftSupernet, seq: dict, cfg: LossConfig, seed: int = 
     feats = torch.cat([hid[normalize_layer(x, num_layers)] for x in arch.feature_layers], dim=-1)  # (T, F*H)
     # seeded like the scored positions: every subnet of a step sees the same noise (the sandwich compares like
     # with like) and a resumed run draws what the uninterrupted one would have
-    feats = noisy(feats, cfg.feat_noise, torch.Generator().manual_seed(seed * 41 + 7) if cfg.feat_noise > 0 else None)
+    feats = noisy(feats, cfg.feat_noise, seed * 41 + 7)
     last = hid[num_layers]  # (T, H) regression target: the target's final hidden state
     keep = visible_positions(arch, seq["image_mask"], seq["attn_received"]).to(dev)
     ids = seq["input_ids"].to(dev)[keep]

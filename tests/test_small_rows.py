@@ -167,7 +167,8 @@ def test_warm_up_chooses_every_kernel_before_the_timed_runs(monkeypatch, spec):
     shapes = {(w.shape[1], w.shape[0]) for w in (m.weight for m in net.modules() if type(m) is torch.nn.Linear)}
     assert {(r, i, o) for r in range(1, small_rows.SMALL_ROWS + 1) for i, o in shapes} <= set(small_rows._CHOICE)
     head = target.lm_head.weight
-    assert all((r, head.shape[1], head.shape[0]) in small_rows._CHOICE for r in range(1, min(draft.max_nodes(policy), small_rows.SMALL_ROWS) + 1))
+    tree_rows = range(1, min(draft.max_nodes(policy), small_rows.SMALL_ROWS) + 1)
+    assert all((r, head.shape[1], head.shape[0]) in small_rows._CHOICE for r in tree_rows)
     timed.clear()
     for other in ("Tell me a story about the sea.", "one two three one two three"):
         speculative_generate(target, draft, tiny_prompt(target, other), 16, policy=policy)

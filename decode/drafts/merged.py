@@ -38,7 +38,7 @@ class MergedDraft(Draft):
         self.attention_stats = neural.attention_stats
         self.default_tree = neural.default_tree
 
-    def networks(self):
+    def networks(self) -> tuple:
         return self.neural.networks()
 
     def max_nodes(self, policy) -> int:
