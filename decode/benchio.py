@@ -218,6 +218,8 @@ def warm_up(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_
                 sizes = getattr(res, "tree_sizes", None) or [1]
                 up_to = max(max(sizes), m.policy.spec.total_tokens + 1 if m.policy is not None else 1)
                 target.warm_buckets(up_to, m.draft.feature_layers if m.draft is not None else ())
+                if m.draft is not None and m.policy is not None:
+                    m.draft.warm(m.policy)  # the draft's compiled level steps (decode/runtime/draft_step.py)
 
 
 def measure(target: TargetModel, prompt: Prompt, methods: list[Method], max_new_tokens: int,

@@ -99,6 +99,45 @@ def test_no_recompilation_after_warm_up():
         assert graph_count() == before  # none of them compiled anything
 
 
+def test_compiled_draft_levels_propose_the_eager_trees_and_do_not_recompile_after_warm_up():
+    """The draft's compiled level steps (decode/runtime/draft_step.py) over its static buffers: the same trees,
+    cycle by cycle, as its eager level forwards on a DraftKV, the same committed cache entries afterwards, and
+    after `warm` no generation compiles anything. Hybrid fusion runs both the concat input and the cross memory."""
+    target = tiny_target("tiny-llava")
+    draft = make_draft("random:hybrid", target)
+    policy = TreePolicy(spec=TreeSpec(2, 2, 4))
+    prompt = tiny_prompt(target, TEXT)
+    trees, caches, tokens = {}, {}, {}
+    with single_thread():
+        target.use_runtime("compiled")
+        for compiled in (False, True):
+            draft.compile_levels = compiled
+            proposed, propose = [], draft.propose
+
+            def record(*args, **kwargs):
+                tree = propose(*args, **kwargs)
+                proposed.append(tree.tokens.tolist())
+                return tree
+
+            draft.propose = record
+            tokens[compiled] = speculative_generate(target, draft, prompt, 20, policy=policy).tokens
+            del draft.propose
+            trees[compiled] = proposed
+            caches[compiled] = [(k.clone(), v.clone()) for k, v in draft.cache.kv]
+        # depth 2: a root level and one more per tree, every one compiled but the first (the whole prompt)
+        assert draft.runner.calls == {"compiled": 2 * len(trees[True]) - 1, "eager": 1}
+        assert trees[True] == trees[False] and tokens[True] == tokens[False]
+        for (ks, vs), (ke, ve) in zip(caches[True], caches[False]):
+            torch.testing.assert_close(ks, ke, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(vs, ve, rtol=1e-4, atol=1e-5)
+        assert draft.warm(policy) == [1, 2, 4]  # levels of top_k = 2 rows, a root level of up to depth + 2
+        target.warm_buckets(draft.max_nodes(policy), draft.feature_layers)
+        before = graph_count()
+        for text in ("Once upon a time there was", "one two three one two three one"):
+            speculative_generate(target, draft, tiny_prompt(target, text), 16, policy=policy)
+        assert graph_count() == before
+
+
 def test_bench_runs_every_method_on_both_runtimes_against_same_runtime_vanilla():
     from decode.bench import BenchConfig, format_table, run_bench
     from decode.datasets import PromptItem
@@ -188,3 +227,34 @@ def test_static_cache_is_sized_to_the_generation_and_grows_when_outrun():
             tokens.append(int(target.step(tokens[-1]).logits[-1].argmax()))
     assert target.static.max_len == size + GRAIN  # grew once, by one grain
     assert tokens == ref
+
+
+def test_static_draft_cache_reads_as_the_dynamic_one_and_grows_keeping_entries():
+    from decode.drafts.blocks import DraftKV
+    from decode.drafts.static_kv import UNUSED, StaticDraftKV
+
+    static, dynamic = StaticDraftKV(2, capacity=4, mem_capacity=2), DraftKV(2)
+    for step in range(3):  # 3 appends of 2 entries each outgrow the 4 entries it starts with
+        for layer in range(2):
+            kv = (torch.randn(3, 2, 5), torch.randn(3, 2, 5))
+            static.append(layer, kv)
+            dynamic.append(layer, kv)
+            mem = (torch.randn(3, 1, 5), torch.randn(3, 1, 5))
+            static.append_memory(layer, mem)
+            dynamic.append_memory(layer, mem)
+        static.append_positions(torch.tensor([step]))
+        dynamic.append_positions(torch.tensor([step]))
+        if step == 1:
+            static.commit()
+            dynamic.commit()
+    assert static.capacity >= 6 and static.length == dynamic.length == 6
+    for a, b in zip(static.kv + static.mem_kv, dynamic.kv + dynamic.mem_kv):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert static.mem_pos.tolist() == dynamic.mem_pos.tolist() == [0, 1, 2]
+    assert (static.mem_pos_buf[3:] == UNUSED).all()  # unused memory is never visible to a mask pos < query
+    static.drop_tentative()
+    dynamic.drop_tentative()
+    assert static.length == dynamic.length == 4 and torch.equal(static.kv[0][0], dynamic.kv[0][0])
+    buffers = static.k[0]
+    static.reset()
+    assert static.length == 0 and static.mem_pos is None and static.k[0] is buffers  # same buffers, emptied

@@ -54,12 +54,13 @@ def test_scale_files_give_valid_settings(scale, tmp_path):
     assert scale_space(scale, "tiny-llava") == "tiny"  # tiny targets keep the tiny space whatever the scale
 
 
-def test_the_demo_scale_trains_the_compact_space_everywhere():
-    """supernet.train, supernet.data and the nas.search pipeline agree on the scale's space (compact at demo,
-    default at cpu scale), and the pipeline retrains a cached supernet of another space instead of reusing it."""
+def test_the_demo_and_cpu_scales_train_the_compact_space_everywhere():
+    """supernet.train, supernet.data and the nas.search pipeline agree on the scale's space (compact at demo and
+    cpu scale, default at full scale), and the pipeline retrains a cached supernet of another space instead of reusing it."""
     from nas.pipeline import PipelineConfig
 
-    assert scale_space("demo", "smolvlm-135m") == "compact" and scale_space("cpu", "smolvlm-135m") == "default"
+    assert scale_space("demo", "smolvlm-135m") == "compact" == scale_space("cpu", "smolvlm-135m")
+    assert scale_space("full", "smolvlm-135m") == "default"
     assert PipelineConfig(scale="demo").space_name == "compact"
     assert config_from_args(build_parser().parse_args(["--data", "d", "--scale", "demo"])).space == "compact"
     assert config_from_args(build_parser().parse_args(["--data", "d", "--scale", "demo", "--space", "eagle"])).space \

@@ -47,6 +47,11 @@ class Draft(ABC):
         times their kernel choices (decode.runtime.small_rows) before any timed generation."""
         return ()
 
+    def warm(self, policy: TreePolicy, widest: int | None = None) -> list[int]:
+        """Compiled runtime, after a generation: compile the draft's own steps for every level size a tree under
+        `policy` (or levels of up to `widest` rows) may need, outside timed runs -> the level buckets compiled."""
+        return []
+
     @abstractmethod
     def start(self, target: "TargetModel", prompt: "Prompt", prefill: "PrefillOutput") -> None: ...
 

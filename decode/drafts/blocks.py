@@ -164,3 +164,7 @@ class DraftKV:
     def append_memory(self, layer: int, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         old = self.mem_kv[layer]
         self.mem_kv[layer] = kv if old is None else (torch.cat([old[0], kv[0]], 1), torch.cat([old[1], kv[1]], 1))
+
+    def append_positions(self, positions: torch.Tensor) -> None:
+        """Target positions (m,) of the memory entries just appended."""
+        self.mem_pos = positions if self.mem_pos is None else torch.cat([self.mem_pos, positions])

@@ -44,6 +44,10 @@ class MergedDraft(Draft):
     def max_nodes(self, policy) -> int:
         return self.neural.max_nodes(policy) + self.lookup.spec.total_tokens  # both trees whole, one shared root
 
+    def warm(self, policy, widest=None) -> list[int]:
+        # the neural root level also feeds the tokens of lookup-only cycles (switch): up to a branch and a bonus more
+        return self.neural.warm(policy, widest or policy.widest_level() + self.lookup.spec.total_tokens + 1)
+
     def start(self, target, prompt, prefill) -> None:
         self.neural.start(target, prompt, prefill)
         self.lookup.start(target, prompt, prefill)

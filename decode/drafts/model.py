@@ -173,7 +173,7 @@ class DraftModel(nn.Module):
             return
         for i, layer in enumerate(self.active_layers()):
             cache.append_memory(i, layer.cross.memory_kv(mem))
-        cache.mem_pos = positions if cache.mem_pos is None else torch.cat([cache.mem_pos, positions])
+        cache.append_positions(positions)
 
     # the parts of the network a forward uses; the supernet overrides them for its active subnet
     @property

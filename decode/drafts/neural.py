@@ -8,6 +8,10 @@ root in one forward (the root's output starts the tree).
 
 visual_keep < 1: only the image tokens that receive the most attention from the target at
 prefill stay in the draft's view (its cache and its cross-attention memory).
+
+On the compiled runtime (target.runtime == "compiled") the draft's cache lives in pre-allocated buffers
+(StaticDraftKV) and each tree level runs through a compiled graph of its bucket
+(decode/runtime/draft_step.py); `compile_levels = False` keeps the eager level forward there (A/B runs).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import torch
 
 from decode.drafts.base import ModelDraft, TentativeSlots
 from decode.drafts.model import DraftModel
+from decode.drafts.static_kv import StaticDraftKV
+from decode.runtime.compiled import GRAIN
+from decode.runtime.draft_step import DraftStepRunner
 
 
 class NeuralDraft(ModelDraft):
@@ -29,6 +36,9 @@ class NeuralDraft(ModelDraft):
         self.visual_keep = arch.visual_keep
         self.attention_stats = arch.visual_keep < 1.0
         self.default_tree = arch.tree
+        self.compile_levels = True  # on the compiled runtime: compiled level steps (False: eager ones, for A/B)
+        self.runner: DraftStepRunner | None = None  # made on the first compiled-runtime generation, then kept
+        self._static: StaticDraftKV | None = None
 
     def networks(self) -> tuple[torch.nn.Module, ...]:
         return (self.model,)
@@ -38,9 +48,30 @@ class NeuralDraft(ModelDraft):
         """{layer: (m, H)} -> (m, F*H) in feature_layers order."""
         return torch.cat([hidden[layer] for layer in self.feature_layers], dim=-1)
 
+    def _new_cache(self, target):
+        """A DraftKV (eager), or on the compiled runtime buffers as long as the target's static cache plus a grain
+        for tentative nodes: one allocation (and one set of graphs) for every prompt that fits."""
+        # target None: the search's replay (nas.acceptance), which has no target to follow
+        self.static_levels = target is not None and target.runtime == "compiled" and self.compile_levels
+        if not self.static_levels:
+            return self.model.new_cache()
+        if self.runner is None:
+            self.runner = DraftStepRunner(self.model, target.device)
+        capacity = target.static.max_len + GRAIN
+        if self._static is not None and self._static.capacity >= capacity:
+            self._static.reset()
+        else:
+            self._static = StaticDraftKV(len(self.model.active_layers()), capacity)
+        return self._static
+
+    def warm(self, policy, widest=None) -> list[int]:
+        if not getattr(self, "static_levels", False):
+            return []
+        return self.runner.warm(self.cache, widest or policy.widest_level())
+
     @torch.no_grad()
     def start(self, target, prompt, prefill) -> None:
-        self.cache = self.model.new_cache()
+        self.cache = self._new_cache(target)
         feats = self._feats(prefill.hidden)  # (T, F*H)
         t = feats.shape[0]
         keep = torch.ones(t, dtype=torch.bool)
@@ -96,23 +127,31 @@ class NeuralDraft(ModelDraft):
             n, past = toks.numel(), cache.length
             allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=dev),
                                  torch.ones(n, n, dtype=torch.bool, device=dev).tril()], dim=1)
-            hidden = model(toks, g, pos, allowed, cache)
+            hidden, logits = self._level(toks, g, pos, allowed, last_only=True)
             cache.commit()
             self.root_fed = True
             self.hidden_of[0] = hidden[-1]
-            return model.logits(hidden[-1:])
+            return logits
         tent_mask, q_depths, _ = self.slots.add(nodes, parents.tolist())
         g = torch.stack([self.hidden_of[p] for p in parents.tolist()])  # parent's draft hidden (EAGLE)
         pos = self.root_pos + q_depths.to(dev)
         allowed = torch.cat([torch.ones(len(nodes), cache.committed, dtype=torch.bool, device=dev),
                              tent_mask.to(dev)], dim=1)
-        hidden = model(tokens, g, pos, allowed, cache)
+        hidden, logits = self._level(tokens, g, pos, allowed)
         for node, h in zip(nodes, hidden):
             self.hidden_of[node] = h
-        return model.logits(hidden)
+        return logits
+
+    def _level(self, tokens, g, pos, allowed, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One level: hidden (n, H) and logits (n, V) (or (1, V) of the last row), its entries appended to the cache."""
+        if self.static_levels:
+            return self.runner.step(tokens, g, pos, allowed, self.cache, last_only)
+        hidden = self.model(tokens, g, pos, allowed, self.cache)
+        return hidden, self.model.logits(hidden[-1:] if last_only else hidden)
 
     def _end(self) -> None:
         self.cache.drop_tentative()
         self.pending_tokens = self.pending_tokens[:0]
         self.pending_feats = self.pending_feats[:0]
         self.pending_pos = self.pending_pos[:0]
+

@@ -11,6 +11,7 @@ parents are earlier node ids, -1 for the root) and return their next-token log-p
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,6 +123,16 @@ class TreePolicy:
         if self.kind == "chain":
             return (1,) * self.spec.tree_depth
         return self.branching
+
+    def widest_level(self) -> int:
+        """The most rows one level forward of a draft feeds under this policy: the top_k frontier nodes (dynamic) or
+        one depth's nodes (chain/static), or the root level's pending pairs (up to depth + 1 accepted tokens) and
+        the root (the compiled runtime compiles a level step for each size up to this)."""
+        if self.kind == "dynamic":
+            width, depth = self.spec.top_k, self.spec.tree_depth
+        else:
+            width, depth = max(math.prod(self.levels[: d + 1]) for d in range(len(self.levels))), len(self.levels)
+        return max(width, depth + 2)
 
 
 def _pick_children(logp: torch.Tensor, k: int, sample: bool, generator: torch.Generator | None) -> torch.Tensor:

@@ -73,6 +73,14 @@ def graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def allow_many_graphs() -> None:
+    """One graph per (bucket, feature layers, target) here and per (bucket, logits rows) for a draft: dynamo's
+    default limit of 8 graphs per function would silently fall back to eager after the 8th."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+
+
 class StaticRunner:
     """The compiled tree forward of one TargetModel over its static cache."""
 
@@ -82,11 +90,7 @@ class StaticRunner:
         self.max_len, self.cache = 0, None  # allocated by the first reset, at the size it asks for
         if mode is None:
             mode = "reduce-overhead" if target.device.type == "cuda" else None
-        # one graph per (bucket, feature layers, target): dynamo's default limit of 8 graphs per function would
-        # silently fall back to eager after the 8th
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        allow_many_graphs()
         self._compiled = torch.compile(self._forward, dynamic=False, mode=mode)
         self._graphs = mode == "reduce-overhead"  # CUDA graphs: outputs live in buffers the next replay overwrites
         # hidden-state hooks stay registered between calls (registering them inside the compiled function would
