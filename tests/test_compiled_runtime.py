@@ -14,7 +14,7 @@ from conftest import single_thread, tiny_prompt, tiny_target
 from decode.arch import TreeSpec
 from decode.drafts import LayerSkipDraft, MergedDraft, PromptLookupDraft, make_draft
 from decode.loop.speculative import speculative_generate
-from decode.loop.tree import TreePolicy
+from decode.loop.tree import DraftTree, TreePolicy
 from decode.loop.vanilla import vanilla_generate
 from decode.runtime.compiled import BUCKETS, GRAIN, bucket, cache_len, graph_count
 
@@ -258,3 +258,36 @@ def test_static_draft_cache_reads_as_the_dynamic_one_and_grows_keeping_entries()
     buffers = static.k[0]
     static.reset()
     assert static.length == 0 and static.mem_pos is None and static.k[0] is buffers  # same buffers, emptied
+
+
+def test_merged_switch_draft_does_not_recompile_after_a_run_of_lookup_only_cycles():
+    """Switch rule: in a lookup-only cycle the neural draft does not run, so its next root level feeds every token
+    emitted since (here 20 lookup-only cycles in a row: a 21-row root level, bucket 32). `warm` must have compiled
+    that bucket: measured on the default target, such a bucket compiled inside timed generations made the compiled
+    designed draft's drafting 4.6x its eager time."""
+    target = tiny_target("tiny-llava")
+    policy = TreePolicy(spec=TreeSpec(2, 1, 2))
+    prompt = tiny_prompt(target, TEXT)
+    with single_thread():
+        ref = vanilla_generate(target, prompt, 40).tokens
+        target.use_runtime("compiled")
+        draft = MergedDraft(make_draft("random:concat", target), rule="switch")
+        speculative_generate(target, draft, prompt, 8, policy=policy)  # makes the buffers and graphs, then warm
+        draft.warm(policy)
+        target.warm_buckets(draft.max_nodes(policy), draft.feature_layers)
+        cycle, lookup_tree = [0], draft.lookup.lookup_tree
+
+        def forced(root, spec):  # cycles 3-22: a one-token "match" (right or wrong: lossless either way)
+            cycle[0] += 1
+            if 3 <= cycle[0] <= 22:
+                return DraftTree(torch.tensor([root, 7]), torch.tensor([-1, 0]))
+            return lookup_tree(root, spec)
+
+        draft.lookup.lookup_tree = forced
+        rows, step = [], draft.neural.runner.step
+        draft.neural.runner.step = lambda tokens, *a, **k: rows.append(tokens.numel()) or step(tokens, *a, **k)
+        before = graph_count()
+        res = speculative_generate(target, draft, prompt, 40, policy=policy)
+    assert res.tokens == ref
+    assert rows[0] > 32 and max(rows[1:]) > 16, rows  # the prompt (eager), then a root level past bucket 16
+    assert graph_count() == before

@@ -47,9 +47,10 @@ class Draft(ABC):
         times their kernel choices (decode.runtime.small_rows) before any timed generation."""
         return ()
 
-    def warm(self, policy: TreePolicy, widest: int | None = None) -> list[int]:
+    def warm(self, policy: TreePolicy, widest: int | None = None, root_rows: int | None = None) -> list[int]:
         """Compiled runtime, after a generation: compile the draft's own steps for every level size a tree under
-        `policy` (or levels of up to `widest` rows) may need, outside timed runs -> the level buckets compiled."""
+        `policy` (or levels of up to `widest` rows) may need, and root levels (committed pairs + the root) of up to
+        `root_rows` rows, outside timed runs -> the level buckets compiled."""
         return []
 
     @abstractmethod

@@ -64,10 +64,11 @@ class NeuralDraft(ModelDraft):
             self._static = StaticDraftKV(len(self.model.active_layers()), capacity)
         return self._static
 
-    def warm(self, policy, widest=None) -> list[int]:
+    def warm(self, policy, widest=None, root_rows=None) -> list[int]:
         if not getattr(self, "static_levels", False):
             return []
-        return self.runner.warm(self.cache, widest or policy.widest_level())
+        widest = widest or policy.widest_level()
+        return self.runner.warm(self.cache, widest, max(widest, root_rows or 0))
 
     @torch.no_grad()
     def start(self, target, prompt, prefill) -> None:

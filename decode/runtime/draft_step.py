@@ -133,26 +133,31 @@ class DraftStepRunner:
             hidden, logits = hidden.clone(), logits.clone()
         return hidden, logits
 
-    def warm(self, cache: StaticDraftKV, widest: int) -> list[int]:
-        """Compile both variants of every bucket up to bucket(widest) (at most 32 rows) on dummy levels over
-        `cache` (its buffers must exist; nothing is written to it) -> the buckets compiled."""
+    def warm(self, cache: StaticDraftKV, widest: int, root_rows: int = 0) -> list[int]:
+        """Compile both variants of every bucket up to bucket(widest), and the root-level variant (logits of the last
+        row) of every bucket up to bucket(root_rows), at most 32 rows, on dummy levels over `cache` (its buffers must
+        exist; nothing is written to it) -> the buckets compiled."""
         if not cache.ready or (self.model.uses_cross and not cache.has_memory()):
             return []
         done = []
         dev = cache.k[0].device
         top = draft_bucket(min(widest, DRAFT_BUCKETS[-1]))
+        top_root = draft_bucket(min(max(widest, root_rows), DRAFT_BUCKETS[-1]))
         for b in DRAFT_BUCKETS:
-            if b > top:
+            if b > top_root:
                 break
             self._measure(b)
             cap = cache.capacity
             full = torch.zeros(b, cap + b, dtype=torch.bool, device=dev)
             full[:, cap:] = torch.eye(b, dtype=torch.bool, device=dev)
             tok = torch.zeros(b, dtype=torch.long, device=dev)
+            # positions a tensor of their own: passed `tok` twice, dynamo guarded on the aliasing and no real level
+            # (distinct tensors) could use the graph, so each bucket compiled again when a generation first met it
+            pos = torch.zeros(b, dtype=torch.long, device=dev)
             g = torch.zeros(b, self.model.dims.hidden_size, dtype=cache.k[0].dtype, device=dev)
             last = torch.zeros(1, dtype=torch.long, device=dev)
             with torch.no_grad():
-                for last_only in (False, True):
-                    self._compiled(tok, g, tok, full, *self._inputs(cache), last, last_only)
+                for last_only in (False, True) if b <= top else (True,):
+                    self._compiled(tok, g, pos, full, *self._inputs(cache), last, last_only)
             done.append(b)
         return done
