@@ -29,6 +29,12 @@ from decode.errors import UserError
 ENTROPY = "entropy"
 _LISTS = ("fusion", "feature_layers", "depth", "heads", "ffn", "draft_vocab", "visual_keep",
           "tree_depth", "top_k", "total_tokens")
+TREE_FIELDS = ("tree_depth", "top_k", "total_tokens")  # how a draft is run, not part of its weights
+
+
+def weights_part(space: dict) -> dict:
+    """A space's to_dict (as saved in checkpoints) without its tree choices, which are not part of the weights."""
+    return {k: v for k, v in space.items() if k not in TREE_FIELDS}
 
 
 def default_space_name(target: str) -> str:
@@ -91,6 +97,10 @@ class SearchSpace:
         return {f.name: ([list(v) for v in getattr(self, f.name)] if f.name == "feature_layers"
                          else list(getattr(self, f.name)) if isinstance(getattr(self, f.name), tuple)
                          else getattr(self, f.name)) for f in fields(self)}
+
+    def weights_dict(self) -> dict:
+        """to_dict without the tree choices: two spaces with equal weights_dict train the same supernet."""
+        return weights_part(self.to_dict())
 
     # ------------------------------------------------------------------ binding to a target
     def check_target(self, num_layers: int, vocab_size: int | None = None) -> None:
@@ -158,8 +168,9 @@ class SearchSpace:
                 len(self.tree_depth), len(self.top_k), len(self.total_tokens)]
         return layers * math.prod(rest)
 
-    def validate(self, arch: DraftArch, entropy_layer: int | None = None) -> None:
-        """UserError naming the first field of `arch` that this space cannot produce."""
+    def validate(self, arch: DraftArch, entropy_layer: int | None = None, trees: bool = True) -> None:
+        """UserError naming the first field of `arch` that this space cannot produce (trees False: its network only;
+        any tree runs on the weights a supernet trained for this space)."""
         layer_sets = {self.resolve_layers(s, entropy_layer) if ENTROPY not in s or entropy_layer is not None else None
                       for s in self.feature_layers}
         checks = [
@@ -176,6 +187,6 @@ class SearchSpace:
              or arch.total_tokens == max_tree_nodes(arch.tree_depth, arch.top_k)),
         ]
         for name, ok in checks:
-            if not ok:
+            if not ok and (trees or name not in TREE_FIELDS):
                 raise UserError(f"arch field {name}={getattr(arch, name)!r} is not in search space '{self.name}' "
                                 f"(choices: {getattr(self, name)!r})")

@@ -155,7 +155,7 @@ def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
     """The trained supernet checkpoint; skipped when it reached the scale's final step, resumed when short."""
-    from decode.space import SearchSpace
+    from decode.space import SearchSpace, weights_part
     from supernet.checkpoint import STATE, recover
     from supernet.train import TrainConfig, recipe_changes, scale_defaults, train
 
@@ -169,7 +169,8 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
         if recover(ck):
             logger.warning("supernet stage: %s restored after an interrupted save", ck)
         saved = json.loads((ck / STATE).read_text()) if (ck / STATE).is_file() else None
-        if saved is not None and saved.get("space") != SearchSpace.load(train_cfg.space).to_dict():
+        # the tree choices are not part of the weights: a supernet of the same space with other trees is kept
+        if saved is not None and weights_part(saved.get("space") or {}) != SearchSpace.load(train_cfg.space).weights_dict():
             # e.g. a cache made before the scale changed space
             logger.warning("supernet stage: %s was trained on another search space than the %s scale's (%s); "
                            "training a new one", ck, cfg.scale, train_cfg.space)

@@ -166,7 +166,12 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         built, heldout_dir = pipeline.prepare(pcfg, target, heldout=heldout_data is None)
         ckpt, heldout_data = str(built), heldout_data or str(heldout_dir)
     supernet, state = load_supernet(ckpt, target)
-    space = SearchSpace.load(cfg.space) if cfg.space is not None else supernet.space
+    if cfg.space is not None:
+        space = SearchSpace.load(cfg.space)
+    elif cfg.supernet is None:  # the pipeline: its scale's space as it is now (a cached supernet may predate new trees)
+        space = SearchSpace.load(pcfg.space_name)
+    else:
+        space = supernet.space
     space.check_target(target.num_layers, target.vocab_size)
     check_subspace(space, supernet)
     n_heldout = cfg.heldout or int(state.get("config", {}).get("val_sequences") or defaults["heldout"])

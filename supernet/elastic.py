@@ -106,7 +106,7 @@ class DraftSupernet(DraftModel):
 
     # ------------------------------------------------------------------ the three verbs
     def set_active(self, arch: DraftArch) -> "DraftSupernet":
-        self.space.validate(arch, self.entropy_layer)
+        self.space.validate(arch, self.entropy_layer, trees=False)  # the tree is not part of the weights
         self.active = arch
         self._cols = torch.cat([torch.arange(h * self.dims.hidden_size, (h + 1) * self.dims.hidden_size)
                                 for h in (self.union.index(normalize_layer(x, self.dims.num_layers))
@@ -122,7 +122,7 @@ class DraftSupernet(DraftModel):
 
     def extract(self, arch: DraftArch, target=None) -> DraftModel:
         """A standalone DraftModel of `arch` whose weights are copies of the active slices."""
-        self.space.validate(arch, self.entropy_layer)
+        self.space.validate(arch, self.entropy_layer, trees=False)
         vd = arch.draft_vocab
         own = vd is not None and vd < self.dims.vocab_size
         sub = DraftModel(arch, self.dims, d2t=self.d2t[:vd].clone() if own else None)

@@ -42,7 +42,7 @@ from decode.drafts.from_target import init_from_target
 from decode.drafts.model import TargetDims
 from decode.errors import UserError
 from decode.paths import writable_dir
-from decode.space import SearchSpace, default_space_name
+from decode.space import SearchSpace, default_space_name, weights_part
 from decode.targets.loader import load_target
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
@@ -233,7 +233,7 @@ def train(cfg: TrainConfig) -> Path:
     ck_dir = out / "checkpoint"
     if cfg.resume:
         state = ckpt.read_state(ck_dir)
-        if state["space"] != space.to_dict():
+        if weights_part(state["space"]) != space.weights_dict():  # other tree choices alone train the same weights
             raise UserError(f"checkpoint in '{ck_dir}' was trained on another search space; pass the same --space")
         if state["target"] != target.fingerprint().to_dict():
             raise UserError(f"checkpoint in '{ck_dir}' belongs to target '{state.get('target_name')}', not '{target.name}'")

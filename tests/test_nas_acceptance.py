@@ -136,13 +136,19 @@ def test_lookup_and_merged_replays_equal_real_decoding(trained):
 
     target, model, seqs = trained
     scorer = KindScorer(seqs, latency=None)
-    arch = replace(model.space.largest(model.entropy_layer), tree_depth=2, top_k=2, total_tokens=4)
-    sweep = TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, top_k=2, max_depth=3)
-    sub = model.extract(arch, target)
-    lookup_hits = 0
-    for spec in (LookupSpec(max_ngram=2, tree_depth=3, top_k=1, total_tokens=3),
-                 LookupSpec(max_ngram=3, tree_depth=4, top_k=2, total_tokens=6),
-                 LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, weak_depth=1)):
+    largest = model.space.largest(model.entropy_layer)
+    lookup_hits, sweeps = 0, {}
+    # a 2x2/4 tree, and a one-token draft (1x1/1) with the lookup branch the demo search exported with it
+    for arch, spec in [(replace(largest, tree_depth=2, top_k=2, total_tokens=4), s) for s in (
+                           LookupSpec(max_ngram=2, tree_depth=3, top_k=1, total_tokens=3),
+                           LookupSpec(max_ngram=3, tree_depth=4, top_k=2, total_tokens=6),
+                           LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, weak_depth=1))] + [
+                       (replace(largest, tree_depth=1, top_k=1, total_tokens=1),
+                        LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, weak_depth=1))]:
+        if arch not in sweeps:
+            sweeps[arch] = (TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers,
+                                          top_k=arch.top_k, max_depth=3), model.extract(arch, target))
+        sweep, sub = sweeps[arch]
         for merged in (False, "union", "switch"):
             rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
             cycles, hist, sizes = 0, Counter(), Counter()

@@ -176,6 +176,9 @@ def test_pipeline_retrains_a_cached_supernet_of_another_space(tmp_path, monkeypa
     (ck / ckpt.STATE).write_text(json.dumps({**state, "step": 3}))
     supernet_stage(cfg, tmp_path / "data")
     assert len(calls) == 1 and calls.pop().resume  # short of its steps and of its budget: resumed
+    other_trees = {**state["space"], "tree_depth": [2, 3], "total_tokens": [4]}  # e.g. saved before depth 1 joined
+    (ck / ckpt.STATE).write_text(json.dumps({**state, "space": other_trees}))
+    assert supernet_stage(cfg, tmp_path / "data") == ck and not calls  # trees are not weights: reused
     (ck / ckpt.STATE).write_text(json.dumps({**state, "space": SearchSpace.load("default").to_dict()}))
     supernet_stage(cfg, tmp_path / "data")
     assert len(calls) == 1 and calls[0].space == "tiny" and not calls[0].resume  # trained anew, not resumed

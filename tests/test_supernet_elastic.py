@@ -117,3 +117,22 @@ def test_importance_reordering_keeps_the_largest_function(supernet):
     torch.testing.assert_close(before, after, atol=1e-5, rtol=0)
     norms = model.layers[0].mlp.down_proj.weight.norm(dim=0)
     assert bool((norms[:-1] >= norms[1:]).all())
+
+
+def test_any_tree_runs_on_the_supernet_but_not_a_network_outside_its_space(supernet):
+    """The tree (depth, top_k, total_tokens) is how a draft runs, not part of its weights: a supernet activates and
+    extracts an arch with a tree its space never listed, and the space's weights_dict ignores the tree choices;
+    a network field outside the space still fails with a one-line error."""
+    from dataclasses import replace
+
+    target, model = supernet
+    space = model.space
+    arch = replace(space.smallest(ENTROPY), tree_depth=max(space.tree_depth) + 2, top_k=1, total_tokens=1)
+    with pytest.raises(UserError, match="tree_depth"):
+        space.validate(arch, ENTROPY)
+    space.validate(arch, ENTROPY, trees=False)
+    assert model.set_active(arch).active == arch and model.extract(arch, target).arch == arch
+    with pytest.raises(UserError, match="heads"):
+        model.set_active(replace(arch, heads=(max(space.heads) + 1,) * arch.depth))
+    widened = replace(space, tree_depth=(*space.tree_depth, 9), total_tokens=(7,))
+    assert widened.weights_dict() == space.weights_dict() and widened.to_dict() != space.to_dict()
