@@ -17,7 +17,7 @@ import torch
 
 from decode.drafts.model import TargetDims
 from decode.errors import UserError
-from decode.space import SearchSpace
+from decode.space import TREE_FIELDS, SearchSpace
 from decode.targets.target import TargetModel
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
@@ -75,7 +75,7 @@ def check_subspace(space: SearchSpace, supernet: DraftSupernet) -> None:
     for name in ("fusion", "depth", "heads", "ffn", "draft_vocab", "visual_keep", "tree_depth", "top_k",
                  "total_tokens"):
         extra = [v for v in getattr(space, name) if v not in getattr(full, name)]
-        if extra and name not in ("tree_depth", "top_k", "total_tokens"):
+        if extra and name not in TREE_FIELDS:
             raise UserError(f"search space '{space.name}' has {name} choices {extra} that supernet space "
                             f"'{full.name}' lacks; search a subset of the space the supernet was trained on")
         if extra:  # the tree is not part of the weights: any tree works, but log it

@@ -170,7 +170,8 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
             logger.warning("supernet stage: %s restored after an interrupted save", ck)
         saved = json.loads((ck / STATE).read_text()) if (ck / STATE).is_file() else None
         # the tree choices are not part of the weights: a supernet of the same space with other trees is kept
-        if saved is not None and weights_part(saved.get("space") or {}) != SearchSpace.load(train_cfg.space).weights_dict():
+        wanted = SearchSpace.load(train_cfg.space).weights_dict()
+        if saved is not None and weights_part(saved.get("space") or {}) != wanted:
             # e.g. a cache made before the scale changed space
             logger.warning("supernet stage: %s was trained on another search space than the %s scale's (%s); "
                            "training a new one", ck, cfg.scale, train_cfg.space)

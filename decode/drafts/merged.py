@@ -50,8 +50,10 @@ class MergedDraft(Draft):
         # cycle (up to a lookup branch and a bonus more than its own tree's), switch not in lookup-only cycles, and a
         # run of those queues up any number (measured: a bucket compiled inside a timed generation made the compiled
         # designed draft's drafting 4.6x its eager time); every root bucket is compiled (more rows run eagerly)
-        after_lookup = policy.widest_level() + self.lookup.spec.total_tokens + 1
-        return self.neural.warm(policy, widest, root_rows or (DRAFT_BUCKETS[-1] if self.rule == "switch" else after_lookup))
+        if root_rows is None:
+            after_lookup = policy.widest_level() + self.lookup.spec.total_tokens + 1
+            root_rows = DRAFT_BUCKETS[-1] if self.rule == "switch" else after_lookup
+        return self.neural.warm(policy, widest, root_rows)
 
     def start(self, target, prompt, prefill) -> None:
         self.neural.start(target, prompt, prefill)

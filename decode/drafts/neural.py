@@ -67,8 +67,7 @@ class NeuralDraft(ModelDraft):
     def warm(self, policy, widest=None, root_rows=None) -> list[int]:
         if not getattr(self, "static_levels", False):
             return []
-        widest = widest or policy.widest_level()
-        return self.runner.warm(self.cache, widest, max(widest, root_rows or 0))
+        return self.runner.warm(self.cache, widest or policy.widest_level(), root_rows or 0)
 
     @torch.no_grad()
     def start(self, target, prompt, prefill) -> None:
