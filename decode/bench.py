@@ -11,6 +11,8 @@ method) keeps the median wall time. Summary per method:
     tokens_per_s    total new tokens / total of the per-prompt median wall times (prefill included)
     speedup         tokens_per_s / tokens_per_s of vanilla decoding on the same runtime (`baseline`)
     speedup_vs_eager  tokens_per_s / eager vanilla's tokens_per_s (what a compiled method gains in all)
+    decode_speedup  the same ratio after the prefill (tokens after the first / decode wall time): the phase a
+                    draft speeds up and the search's predicted speed-up prices (None for transformers' rows)
     median_speedup  median over prompts of (method tokens/s / its baseline's tokens/s) on that prompt
     tau             mean over prompts of tokens emitted per target verify forward (bonus included)
     identical_rate  share of prompts whose greedy output equals eager vanilla's token for token
@@ -227,6 +229,14 @@ def summarize(rows: list[dict], methods: list[str], greedy: bool, baselines: dic
         wall = sum(r["wall_ms"] for r in rs) / 1e3
         return sum(r["new_tokens"] for r in rs) / wall if wall > 0 else 0.0
 
+    def decode_rate(method: str, prompts: set[str]) -> float | None:
+        # tokens after the first (the prefill emits it) per second of decoding, over the prompts it ran
+        rs = [r for r in rows if r["method"] == method and r["prompt_id"] in prompts]
+        if not rs or any(r.get("decode_ms") is None for r in rs):
+            return None
+        wall = sum(r["decode_ms"] for r in rs) / 1e3
+        return sum(r["new_tokens"] - 1 for r in rs) / wall if wall > 0 else None
+
     out = []
     for method in methods:
         rs = [r for r in rows if r["method"] == method]
@@ -235,6 +245,7 @@ def summarize(rows: list[dict], methods: list[str], greedy: bool, baselines: dic
         ran = {r["prompt_id"] for r in rs}
         base = total_rate(baselines.get(method, VANILLA), ran)  # its vanilla, on the prompts this method ran
         eager = total_rate(VANILLA, ran)
+        dec, dec_base = decode_rate(method, ran), decode_rate(baselines.get(method, VANILLA), ran)
         row = {
             "method": method,
             "runtime": rs[0].get("runtime", "eager") if rs else None,
@@ -244,6 +255,7 @@ def summarize(rows: list[dict], methods: list[str], greedy: bool, baselines: dic
             "tokens_per_s": rate,
             "speedup": rate / base if base > 0 else None,
             "speedup_vs_eager": rate / eager if eager > 0 else None,
+            "decode_speedup": dec / dec_base if dec and dec_base else None,
             "median_speedup": statistics.median(speedups) if speedups else None,
             "identical_rate": (statistics.fmean(bool(r["identical"]) for r in rs)
                                if greedy and method != VANILLA else None),
@@ -263,11 +275,12 @@ def format_table(summary: list[dict]) -> str:
     import pandas as pd
 
     cols = {"method": "method", "tau": "tau", "tokens_per_s": "tokens/s", "speedup": "speedup",
-            "speedup_vs_eager": "vs eager vanilla",
+            "speedup_vs_eager": "vs eager vanilla", "decode_speedup": "decode-only",
             "median_speedup": "median speedup", "identical_rate": "identical", "draft_ms": "draft ms",
             "verify_ms": "verify ms", "new_tokens": "tokens"}
     df = pd.DataFrame(summary).reindex(columns=list(cols)).rename(columns=cols)
-    fmt = {"tau": "{:.2f}", "tokens/s": "{:.1f}", "speedup": "{:.2f}x", "vs eager vanilla": "{:.2f}x", "median speedup": "{:.2f}x",
+    fmt = {"tau": "{:.2f}", "tokens/s": "{:.1f}", "speedup": "{:.2f}x", "vs eager vanilla": "{:.2f}x",
+           "decode-only": "{:.2f}x", "median speedup": "{:.2f}x",
            "identical": "{:.0%}", "draft ms": "{:.0f}", "verify ms": "{:.0f}", "tokens": "{:.0f}"}
     for col, f in fmt.items():
         df[col] = [("-" if v is None or v != v else f.format(v)) for v in df[col]]

@@ -152,6 +152,11 @@ class Measurement:
         return _median([r.tokens_per_s for r in self.runs])
 
     @property
+    def decode_s(self) -> float | None:
+        """Median wall time after the prefill; None for transformers' generate (its prefill is not separable)."""
+        return None if self.hf else _median([r.decode_s for r in self.runs])
+
+    @property
     def new_tokens(self) -> int:
         return self.first.new_tokens
 
@@ -174,6 +179,7 @@ class Measurement:
             "method": self.method, "repeats": len(self.runs), "new_tokens": self.new_tokens,
             "wall_ms": self.wall_s * 1e3, "tokens_per_s": self.tokens_per_s, "tau": self.tau,
             "prefill_ms": _median([x.prefill_s for x in self.runs]) * 1e3,
+            "decode_ms": None if self.decode_s is None else self.decode_s * 1e3,
             "target_forwards": r.target_forwards,
         }
         if self.speculative:

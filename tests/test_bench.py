@@ -35,9 +35,10 @@ def test_bench_main_writes_json_and_table(tmp_path, monkeypatch, capsys):
     assert summary["vanilla"]["speedup"] == pytest.approx(1.0) and summary["vanilla"]["identical_rate"] is None
     for name in ("prompt-lookup", "layerskip:1"):
         assert summary[name]["identical_rate"] == 1.0
-        assert summary[name]["tau"] >= 1.0 and summary[name]["speedup"] > 0
+        assert summary[name]["tau"] >= 1.0 and summary[name]["speedup"] > 0 and summary[name]["decode_speedup"] > 0
         assert sum(summary[name]["accept_hist"].values()) > 0
     assert len(res["per_prompt"]) == 2 * 3
+    assert all(0 < r["decode_ms"] < r["wall_ms"] for r in res["per_prompt"])
     assert all(r["identical"] is True for r in res["per_prompt"] if r["method"] != "vanilla")
     table = capsys.readouterr().out
     assert "prompt-lookup" in table and "layerskip:1" in table and "speedup" in table and "100%" in table
@@ -177,3 +178,21 @@ def test_bench_passes_over_the_prompts_of_a_data_folder(tmp_path, monkeypatch):
     assert res["prompts"]["ids"] == ["sharegpt:b"]
     with pytest.raises(UserError, match="not a supernet.data folder"):
         run_bench(BenchConfig(target="tiny-llama", exclude_data=(str(tmp_path / "none"),)))
+
+
+def test_decode_only_speedup_leaves_the_prefill_out():
+    """The decode-phase ratio prices what a draft changes: equal prefills dilute the wall-clock speed-up."""
+    from decode.bench import summarize
+
+    def row(method, prompt, wall, prefill, hf=False):
+        return {"method": method, "prompt_id": prompt, "new_tokens": 65, "wall_ms": wall, "prefill_ms": prefill,
+                "decode_ms": None if hf else wall - prefill, "tau": 1.0, "speedup": None, "identical": True}
+    rows = [row("vanilla", "a", 1500, 500), row("vanilla", "b", 2500, 500),
+            row("d", "a", 1000, 500), row("d", "b", 1500, 500),  # decode 500 + 1000 ms against 1000 + 2000
+            row("hf-generate", "a", 900, 0, hf=True), row("hf-generate", "b", 900, 0, hf=True)]
+    out = {r["method"]: r for r in summarize(rows, ["vanilla", "d", "hf-generate"], greedy=True)}
+    assert out["vanilla"]["decode_speedup"] == pytest.approx(1.0)
+    assert out["d"]["speedup"] == pytest.approx(4000 / 2500)
+    assert out["d"]["decode_speedup"] == pytest.approx(3000 / 1500)  # 64 tokens each side: the time ratio
+    assert out["hf-generate"]["decode_speedup"] is None
+    assert "decode-only" in format_table(list(out.values()))
