@@ -8,6 +8,10 @@ step), and everything else is dropped by `extract` anyway. Training the extracte
 instead would need a second copy of the loss code for a plain model.
 
 Sequences: the supernet's training data without the held-out tail, so tau stays honest.
+
+The unroll ("training-time test") depth is matched to the chosen tree: a draft that proposes at most
+`tree_depth` tokens per cycle is never asked for step tree_depth + 1, so fine-tuning trains at most that
+many steps (a one-token draft, tree_depth 1, spends every step on its first guess).
 """
 
 from __future__ import annotations
@@ -59,11 +63,12 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
     """Train `arch`'s slices of `model` for cfg.steps sequences (one per step); -> {first_loss, last_loss, steps}."""
     if not ids:
         return {"steps": 0}
+    unroll = min(cfg.unroll, arch.tree_depth)  # steps past the tree's depth are never drafted
     model.set_active(arch).float().train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, cfg.lr, 0.0)
     rng = random.Random(cfg.seed)
-    loss_cfg = LossConfig(unroll=cfg.unroll, decay=cfg.unroll_decay, feat_weight=cfg.feat_weight,
+    loss_cfg = LossConfig(unroll=unroll, decay=cfg.unroll_decay, feat_weight=cfg.feat_weight,
                           max_positions=cfg.max_positions, loss=cfg.loss,
                           full_positions=cfg.full_positions)
     negatives = loss_negatives(data, cfg.negatives if cfg.loss == "topk" else 0, model.feat_fc.weight.device)
@@ -83,7 +88,7 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
         losses.append(float(loss.detach()))
     model.eval()
     k = max(1, len(losses) // 4)  # mean of the first / last quarter: single-sequence losses are noisy
-    out = {"steps": cfg.steps, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k}
-    logger.info("fine-tuned %s for %d steps: loss %.4f -> %.4f", arch.to_json(), cfg.steps, out["first_loss"],
-                out["last_loss"])
+    out = {"steps": cfg.steps, "unroll": unroll, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k}
+    logger.info("fine-tuned %s for %d steps (unroll %d): loss %.4f -> %.4f", arch.to_json(), cfg.steps, unroll,
+                out["first_loss"], out["last_loss"])
     return out

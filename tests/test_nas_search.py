@@ -588,3 +588,28 @@ def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tm
     assert choice.path == tmp_path / "run" / "cpu-tiny-llava.json" and choice.path.is_file()  # measured here
     assert Profile.load(choice.path).versions["attention"] == target.model.config._attn_implementation
     assert Profile.load(choice.path).versions["linear"] == linear_kernels()
+
+
+def test_finetuning_unrolls_no_deeper_than_the_chosen_tree(assets, monkeypatch):
+    """A one-token draft (tree_depth 1) is fine-tuned on its first guess only; a deeper tree keeps the
+    supernet's unroll (2 here)."""
+    import nas.finetune as ft
+    from supernet.dataset import FeatureData
+
+    seen: list[int] = []
+    real = ft.subnet_losses
+
+    def spy(model, seq, cfg, **kw):
+        seen.append(cfg.unroll)
+        return real(model, seq, cfg, **kw)
+
+    monkeypatch.setattr(ft, "subnet_losses", spy)
+    target = tiny_target(TARGET)
+    net, state = load_supernet(assets["supernet"], target)
+    data = FeatureData(state["data"], target)
+    base = net.space.largest(net.entropy_layer)
+    for depth, want in ((1, 1), (3, 2)):
+        arch = DraftArch.from_dict({**base.to_dict(), "tree_depth": depth, "top_k": 1, "total_tokens": depth})
+        seen.clear()
+        info = ft.finetune_subnet(net, arch, data, [0, 1], ft.FinetuneConfig.like_training(2, state))
+        assert seen == [want, want] and info["unroll"] == want
