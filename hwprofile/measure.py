@@ -102,4 +102,8 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
     profile.notes.extend(notes)
     profile.wall_s = time.perf_counter() - t0
     profile.load_avg = {"before": load_before, "after": load_average(), "cpu_cores": info.cpu_cores}
+    if target.device.type == "cpu":
+        from decode.runtime import small_rows
+
+        profile.small_rows = {"mode": small_rows.MODE, "choices": small_rows.choices()}
     return profile

@@ -14,6 +14,9 @@
     calibrated_from predicted only: the local profile and the fitted roofline ratios
     load_avg        1-minute system load average before and after measuring (noise on shared machines)
     spec            predicted only: the spec sheet
+    small_rows      CPU: the few-row linear kernel each (rows x in -> out) shape took while measuring
+                    (decode/runtime/small_rows.py; true = W @ x^T); a decoding run chooses its own, so a
+                    step priced here can differ from a run's when the two processes chose differently
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Profile:
     spec: dict | None = None
     load_avg: dict | None = None  # system load (1-min average) before / after measuring: shared machines are noisy
     notes: list[str] = field(default_factory=list)
+    small_rows: dict | None = None  # CPU: the few-row linear kernel choices made while measuring
 
     @property
     def target_name(self) -> str:
@@ -84,7 +88,7 @@ class Profile:
             "versions": self.versions, "dtype": self.dtype, "runtime": self.runtime, "date": self.date,
             "command": self.command, "wall_s": round(self.wall_s, 1), "target": self.target, "space": self.space,
             "config": self.config, "grids": self.grids, "calibrated_from": self.calibrated_from, "spec": self.spec,
-            "load_avg": self.load_avg, "notes": self.notes, "tables": {k: t.to_json() for k, t in self.tables.items()},
+            "load_avg": self.load_avg, "notes": self.notes, "small_rows": self.small_rows, "tables": {k: t.to_json() for k, t in self.tables.items()},
         }
 
     def save(self, path: str | Path) -> Path:
@@ -119,7 +123,7 @@ class Profile:
             space=d["space"], config=d["config"], grids=d["grids"],
             tables={k: Table.from_json(v) for k, v in d["tables"].items()}, wall_s=float(d.get("wall_s", 0.0)),
             calibrated_from=d.get("calibrated_from"), spec=d.get("spec"), load_avg=d.get("load_avg"),
-            notes=list(d.get("notes", [])),
+            notes=list(d.get("notes", [])), small_rows=d.get("small_rows"),
         )
         prof.check_tables()
         return prof

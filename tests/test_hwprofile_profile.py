@@ -31,6 +31,12 @@ def test_measured_profile_is_complete(measured):
     assert raw["target"]["name"] == "tiny-llama" and raw["target"]["fingerprint"]["family"]
     assert raw["device"]["hardware"] == "cpu" and raw["config"]["quick"] is True
     assert measured.stat().st_size < 1_000_000
+    # the few-row kernels each shape took while measuring: a run that chose others decodes at other costs
+    rows = raw["small_rows"]
+    assert rows["mode"] in ("auto", "on", "off") and isinstance(rows["choices"], dict)
+    if rows["mode"] == "auto":
+        assert any(key.startswith("1x") for key in rows["choices"])  # the decoding step's one-row shapes
+    assert Profile.load(measured).small_rows == rows
     assert measured.with_suffix(".png").stat().st_size > 0
     prof = Profile.load(measured)
     for name, axes in TABLE_AXES.items():
