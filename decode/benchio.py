@@ -174,12 +174,12 @@ class Measurement:
 
     def to_row(self) -> dict:
         """A flat, JSON-ready record (times in ms, medians over the runs)."""
-        r = self.first
+        r, decode_s = self.first, self.decode_s
         row = {
             "method": self.method, "repeats": len(self.runs), "new_tokens": self.new_tokens,
             "wall_ms": self.wall_s * 1e3, "tokens_per_s": self.tokens_per_s, "tau": self.tau,
             "prefill_ms": _median([x.prefill_s for x in self.runs]) * 1e3,
-            "decode_ms": None if self.decode_s is None else self.decode_s * 1e3,
+            "decode_ms": None if decode_s is None else decode_s * 1e3,
             "target_forwards": r.target_forwards,
         }
         if self.speculative:

@@ -88,7 +88,8 @@ class Profile:
             "versions": self.versions, "dtype": self.dtype, "runtime": self.runtime, "date": self.date,
             "command": self.command, "wall_s": round(self.wall_s, 1), "target": self.target, "space": self.space,
             "config": self.config, "grids": self.grids, "calibrated_from": self.calibrated_from, "spec": self.spec,
-            "load_avg": self.load_avg, "notes": self.notes, "small_rows": self.small_rows, "tables": {k: t.to_json() for k, t in self.tables.items()},
+            "load_avg": self.load_avg, "notes": self.notes, "small_rows": self.small_rows,
+            "tables": {k: t.to_json() for k, t in self.tables.items()},
         }
 
     def save(self, path: str | Path) -> Path:
