@@ -195,7 +195,8 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
             "complete": done == len(built),
             "methods": [m.describe() for m in methods],
             "summary": summarize(rows, [m.name for m in methods], sampling.greedy, {m.name: m.baseline for m in methods}),
-            "small_rows": {"mode": small_rows.MODE, "choices": small_rows.choices()},  # which linear kernels ran
+            "small_rows": {"mode": small_rows.MODE, "choices": small_rows.choices(),  # which linear kernels ran
+                           "table": small_rows.table_file()},
             "per_prompt": rows,
         }
 

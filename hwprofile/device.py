@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
+
+from decode.runtime.machine import cpu_cores, cpu_isa, cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -77,32 +77,6 @@ def memory_variant(hardware: str, memory_bytes: int) -> str | None:
     return "40gb" if memory_bytes < 60 * 2**30 else "80gb"
 
 
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo (Linux), else platform.processor()."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")  # x86 and Arm
-
-
-def cpu_isa() -> str:
-    """The vector extensions among ISA_FLAGS that /proc/cpuinfo lists, e.g. "avx2,avx512f,amx_tile"; two
-    CPUs of one model name can differ here (and MKL's small-matrix kernels with them), "" when unknown."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return ""
-    for line in cpuinfo.read_text(errors="replace").splitlines():
-        if line.lower().startswith(("flags", "features")):
-            have = set(line.split(":", 1)[1].split())
-            return ",".join(f for f in ISA_FLAGS if f in have)
-    return ""
-
-
 def other_machine(measured_on: DeviceInfo, here: DeviceInfo) -> str | None:
     """Why a profile measured on `measured_on` does not describe `here` (None: the same kind of machine).
     CPUs: model, cores and vector extensions (when both are known); GPUs: product name and memory variant."""
@@ -119,14 +93,6 @@ def other_machine(measured_on: DeviceInfo, here: DeviceInfo) -> str | None:
     if (measured_on.name, measured_on.variant) != (here.name, here.variant):
         return f"{measured_on.name} vs {here.name}"
     return None
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on (affinity mask, e.g. a container's share), else os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def system_memory_bytes() -> int:

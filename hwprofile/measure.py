@@ -105,5 +105,5 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
     if target.device.type == "cpu":
         from decode.runtime import small_rows
 
-        profile.small_rows = {"mode": small_rows.MODE, "choices": small_rows.choices()}
+        profile.small_rows = {"mode": small_rows.MODE, "choices": small_rows.choices(), "table": small_rows.table_file()}
     return profile

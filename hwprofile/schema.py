@@ -15,8 +15,8 @@
     load_avg        1-minute system load average before and after measuring (noise on shared machines)
     spec            predicted only: the spec sheet
     small_rows      CPU: the few-row linear kernel each (rows x in -> out) shape took while measuring
-                    (decode/runtime/small_rows.py; true = W @ x^T); a decoding run chooses its own, so a
-                    step priced here can differ from a run's when the two processes chose differently
+                    (decode/runtime/small_rows.py; true = W @ x^T) and the per-machine file they are kept in
+                    (decode/runtime/kernel_table.py), which later decoding processes on this machine adopt
 """
 
 from __future__ import annotations

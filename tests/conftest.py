@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import pytest
 import torch
 
 from decode.images import bundled_photo
 from decode.targets.loader import load_target
+
+# Few-row kernel choices stay in memory in tests (and their CLI subprocesses): a test never writes into, nor is
+# steered by, the user's per-machine table (decode.runtime.kernel_table); the table's own tests set a file.
+os.environ["VLM_DRAFT_NAS_KERNEL_TABLE"] = "off"
 
 TEXT_PRESETS = ("tiny-llama", "tiny-qwen2", "tiny-gemma3-text")
 VLM_PRESETS = ("tiny-llava", "tiny-llava-next", "tiny-smolvlm", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-mistral3",

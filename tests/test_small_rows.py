@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_prompt, tiny_target
@@ -173,3 +175,92 @@ def test_warm_up_chooses_every_kernel_before_the_timed_runs(monkeypatch, spec):
     for other in ("Tell me a story about the sea.", "one two three one two three"):
         speculative_generate(target, draft, tiny_prompt(target, other), 16, policy=policy)
     assert timed == []
+
+
+def _fresh_process(monkeypatch, mode: str = "auto") -> None:
+    """What a new process starts with: no choices in memory, none adopted from a table yet."""
+    monkeypatch.setattr(small_rows, "MODE", mode)
+    monkeypatch.setattr(small_rows, "_CHOICE", {})
+    monkeypatch.setattr(small_rows, "_TABLE_KEY", None)
+
+
+def test_a_choice_is_measured_once_per_machine_and_every_later_process_takes_it(monkeypatch, tmp_path):
+    """Timed per process, near-ties flipped between processes, and the profile priced a step with other kernels than
+    the bench ran: the first measurement is kept in the machine's table and a later process adopts it untimed,
+    even where its own timing would have said otherwise."""
+    from decode.runtime import kernel_table
+
+    table = tmp_path / "kernels.json"
+    monkeypatch.setenv(kernel_table.ENV, str(table))
+    w, x = torch.randn(64, 32), torch.randn(3, 32)
+    timed = []
+    _fresh_process(monkeypatch)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or True)
+    torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert timed == [3] and small_rows.table_file() == str(table)
+    saved = json.loads(table.read_text())
+    assert saved["format"] == kernel_table.FORMAT and saved["choices"] == {"3x32->64": True}
+    assert saved["machine"] == kernel_table.machine_key(small_rows.VERSION)
+
+    _fresh_process(monkeypatch)  # a second process, whose own timing would pick F.linear
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or False)
+    linear(x, w)
+    assert small_rows.choices() == {"3x32->64": True} and timed == [3]  # adopted, not timed again
+    linear(torch.randn(2, 32), w)  # a new shape is timed and added beside the first
+    assert timed == [3, 2]
+    assert json.loads(table.read_text())["choices"] == {"2x32->64": False, "3x32->64": True}
+
+
+def test_the_table_is_per_machine_and_a_broken_file_is_measured_again(monkeypatch, tmp_path, caplog):
+    from decode.runtime import kernel_table
+
+    table = tmp_path / "kernels.json"
+    monkeypatch.setenv(kernel_table.ENV, str(table))
+    key = kernel_table.machine_key(small_rows.VERSION)
+    other = key.replace(f"threads={torch.get_num_threads()}", f"threads={torch.get_num_threads() + 1}")
+    for content in (json.dumps({"format": kernel_table.FORMAT, "machine": other, "choices": {"3x32->64": True}}),
+                    "{not json", json.dumps([1, 2]), ""):
+        table.write_text(content)
+        _fresh_process(monkeypatch)
+        monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: False)
+        with caplog.at_level("WARNING"):
+            linear(torch.randn(3, 32), torch.randn(64, 32))
+        assert small_rows.choices() == {"3x32->64": False}  # measured here, not the other machine's answer
+        assert json.loads(table.read_text())["machine"] == key  # and the file rewritten for this machine
+    assert "ignoring the kernel choice table" in caplog.text
+
+
+def test_choices_made_under_another_thread_count_are_dropped(monkeypatch, tmp_path):
+    from decode.runtime import kernel_table
+
+    monkeypatch.setenv(kernel_table.ENV, "off")
+    _fresh_process(monkeypatch)
+    assert small_rows.table_file() is None
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: True)
+    w = torch.randn(64, 32)
+    linear(torch.randn(3, 32), w)
+    assert small_rows.choices() == {"3x32->64": True}
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        linear(torch.randn(3, 32), w)  # still the first answer: the cached choice is not re-checked per call
+        small_rows.measure_linears(torch.nn.Linear(32, 64), 3)  # a warm-up re-reads the machine's key
+        assert small_rows.choices() == {"3x32->64": False}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_unwritable_table_costs_only_the_persistence(monkeypatch, tmp_path, caplog):
+    from decode.runtime import kernel_table
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv(kernel_table.ENV, str(blocker / "kernels.json"))  # a folder that cannot be made
+    _fresh_process(monkeypatch)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: True)
+    x, w = torch.randn(2, 32), torch.randn(48, 32)
+    with caplog.at_level("WARNING"):
+        torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert small_rows.choices() == {"2x32->48": True}
+    assert "could not keep the kernel choices" in caplog.text

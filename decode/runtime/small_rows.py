@@ -29,6 +29,10 @@ stay token-identical (tested), values within 1e-5 of F.linear.
 
 VLM_DRAFT_NAS_SMALL_ROWS=auto (default) | on (W @ x^T for every candidate call) | off (F.linear
 everywhere; VLM_DRAFT_NAS_PLAIN_LINEAR=1 means the same). `choices()` lists what auto picked.
+
+A choice is measured once per machine, not per process: decode.runtime.kernel_table keeps it in a file in the cache
+folder that every later process adopts, so the hardware profile and the bench that checks it run the same kernels
+(timed per process, near-ties flipped between processes and the profile priced a step 36% above the bench's).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import time
 import types
 
 import torch
+
+from decode.runtime import kernel_table
 
 SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep F.linear
 MARGIN = 0.9  # auto: W @ x^T is taken when its median time is below MARGIN x F.linear's
@@ -57,6 +63,7 @@ def _mode_from_env() -> str:
 
 MODE = _mode_from_env()
 _CHOICE: dict[tuple[int, int, int], bool] = {}  # (rows, in, out) -> W @ x^T is faster (auto mode, measured)
+_TABLE_KEY: str | None = None  # the machine key (kernel_table) whose persisted choices _CHOICE holds
 
 
 def _rows_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -107,14 +114,36 @@ def _measure(rows: int, weight: torch.Tensor, reps: int = 5) -> bool:
     return statistics.median(times[mine]) < MARGIN * statistics.median(times[plain])
 
 
+def _sync_table() -> None:
+    """Adopt this machine's persisted choices (decode.runtime.kernel_table): once per process and torch thread
+    count; choices made under another thread count are dropped (a two-column product's gain is its threads)."""
+    global _TABLE_KEY
+    key = kernel_table.machine_key(VERSION)
+    if key != _TABLE_KEY:
+        if _TABLE_KEY is not None:
+            _CHOICE.clear()
+        _CHOICE.update(kernel_table.load(key))
+        _TABLE_KEY = key
+
+
 def _take_rows_path(rows: int, weight: torch.Tensor) -> bool:
     if MODE == "on":
         return True
     key = (rows, weight.shape[1], weight.shape[0])
     faster = _CHOICE.get(key)
     if faster is None:
-        faster = _CHOICE[key] = _measure(rows, weight)
+        _sync_table()
+        faster = _CHOICE.get(key)
+    if faster is None:  # never measured on this machine: time it once, keep it for every later process
+        _CHOICE.update(kernel_table.save(_TABLE_KEY, {key: _measure(rows, weight)}))
+        faster = _CHOICE[key]
     return faster
+
+
+def table_file() -> str | None:
+    """The file this machine's choices are kept in (None: in memory only); bench results and profiles record it."""
+    path = kernel_table.table_path(kernel_table.machine_key(VERSION))
+    return None if path is None else str(path)
 
 
 def linear_kernels() -> str:
@@ -158,6 +187,7 @@ def measure_linears(model: torch.nn.Module, rows: int) -> int:
     been timed yet, so that a graph compiled afterwards takes the faster product; -> shapes measured now."""
     if MODE != "auto" or not 1 <= rows <= SMALL_ROWS:
         return 0
+    _sync_table()
     n = 0
     for module in model.modules():
         if type(module) is not torch.nn.Linear:
