@@ -12,6 +12,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from conftest import single_thread, tiny_prompt, tiny_target
 
 from decode.arch import DraftArch
@@ -613,3 +614,28 @@ def test_finetuning_unrolls_no_deeper_than_the_chosen_tree(assets, monkeypatch):
         seen.clear()
         info = ft.finetune_subnet(net, arch, data, [0, 1], ft.FinetuneConfig.like_training(2, state))
         assert seen == [want, want] and info["unroll"] == want
+
+
+def test_finetuning_warms_up_then_decays_its_learning_rate(assets, monkeypatch):
+    """A constant learning rate left the fine-tuned subnet below the supernet's: fine-tuning warms up and then
+    decays (cosine) to final_lr x lr, and the optimizer steps with that rate."""
+    import nas.finetune as ft
+    from supernet.dataset import FeatureData
+
+    cfg = ft.FinetuneConfig(steps=100, lr=1e-3, warmup=10, final_lr=0.1)
+    lrs = [ft.finetune_lr(cfg, s) for s in range(cfg.steps)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3, rel=0.05)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(1e-4)
+    used: list[float] = []
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        used.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    target = tiny_target(TARGET)
+    net, state = load_supernet(assets["supernet"], target)
+    short = ft.FinetuneConfig(steps=4, lr=1e-3, warmup=2, final_lr=0.1)
+    ft.finetune_subnet(net, net.space.largest(net.entropy_layer), FeatureData(state["data"], target), [0, 1], short)
+    assert used == pytest.approx([ft.finetune_lr(short, s) for s in range(4)]) and used[-1] == pytest.approx(1e-4)
