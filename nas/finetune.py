@@ -12,6 +12,11 @@ Sequences: the supernet's training data without the held-out tail, so tau stays 
 The unroll ("training-time test") depth is matched to the chosen tree: a draft that proposes at most
 `tree_depth` tokens per cycle is never asked for step tree_depth + 1, so fine-tuning trains at most that
 many steps (a one-token draft, tree_depth 1, spends every step on its first guess).
+
+Resumable: with `ckpt_dir`, the supernet copy, AdamW's moments, the step and the losses are saved every
+`ckpt_every` steps and at the end (supernet/checkpoint.py: safetensors + JSON, renamed into place); a run with the
+same arch, config, sequences and supernet (`identity`) continues from there, bit-exact (the data order and the
+per-step loss seeds are replayed from the step), and a finished one is restored without training.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import contextlib
 import logging
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from decode.arch import DraftArch
+from supernet.checkpoint import STATE, load_optimizer, load_weights, read_state, save_checkpoint
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
 from supernet.train import adamw
@@ -69,9 +76,24 @@ def finetune_lr(cfg: FinetuneConfig, step: int) -> float:
     return cfg.lr * warm * (cfg.final_lr + (1.0 - cfg.final_lr) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
+def _resume_point(ckpt_dir: Path | None, identity: dict) -> dict | None:
+    """The saved state of this very fine-tuning run in ckpt_dir, None when there is none or it was another run's."""
+    if ckpt_dir is None or not ((Path(ckpt_dir) / STATE).is_file() or Path(f"{ckpt_dir}.tmp").is_dir()
+                                or Path(f"{ckpt_dir}.old").is_dir()):
+        return None
+    state = read_state(ckpt_dir)  # also puts back a save interrupted between its renames
+    if state.get("identity") != identity:
+        logger.warning("fine-tuning checkpoint %s is another run's (arch, config, data or supernet differ); "
+                       "fine-tuning starts over", ckpt_dir)
+        return None
+    return state
+
+
 def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, ids: list[int],
-                    cfg: FinetuneConfig) -> dict:
-    """Train `arch`'s slices of `model` for cfg.steps sequences (one per step); -> {first_loss, last_loss, steps}."""
+                    cfg: FinetuneConfig, ckpt_dir: Path | None = None, ckpt_every: int = 500,
+                    identity: dict | None = None) -> dict:
+    """Train `arch`'s slices of `model` for cfg.steps sequences (one per step); -> {first_loss, last_loss, steps}.
+    ckpt_dir: save and resume there (module doc); `identity` = what else the run depends on (the supernet)."""
     if not ids:
         return {"steps": 0}
     unroll = min(cfg.unroll, arch.tree_depth)  # steps past the tree's depth are never drafted
@@ -86,7 +108,20 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
     on_gpu = model.feat_fc.weight.device.type == "cuda"
     losses: list[float] = []
     order: list[int] = []
-    for step in tqdm(range(cfg.steps), desc="fine-tune", unit="step", disable=None):
+    key = {"arch": arch.to_json(), "config": asdict(cfg), "sequences": list(ids), "run": identity or {}}
+    start = 0
+    saved = _resume_point(ckpt_dir, key)
+    if saved is not None:
+        load_weights(ckpt_dir, model)
+        load_optimizer(ckpt_dir, model, opt)
+        start, losses = int(saved["step"]), [float(v) for v in saved["losses"]]
+        logger.info("fine-tuning resumes at step %d of %d from %s", start, cfg.steps, ckpt_dir)
+    for _ in range(start):  # replay the data order up to the saved step (no compute)
+        if not order:
+            order = rng.sample(ids, len(ids))
+        order.pop()
+    for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="fine-tune", unit="step",
+                     disable=None):
         if not order:  # a fresh shuffle per epoch
             order = rng.sample(ids, len(ids))
         seq = data[order.pop()]
@@ -99,6 +134,8 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if ckpt_dir is not None and ((step + 1) % max(1, ckpt_every) == 0 or step + 1 == cfg.steps):
+            save_checkpoint(Path(ckpt_dir), model, opt, {"identity": key, "step": step + 1, "losses": losses})
     model.eval()
     k = max(1, len(losses) // 4)  # mean of the first / last quarter: single-sequence losses are noisy
     out = {"steps": cfg.steps, "unroll": unroll, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k}

@@ -258,11 +258,12 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
     return out / "draft"
 
 
-def finetune_best(inp: Inputs, arch, steps: int):
+def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None):
     """The best subnet fine-tuned alone for `steps` sequences on a copy of the supernet (the study's other
     subnets keep their weights) -> (the copy, fine-tuning info). Weight sharing costs the subnets of a
-    supernet acceptance (README, "weight sharing"); a few minutes of training the chosen one alone win
-    most of it back."""
+    supernet acceptance (README, "weight sharing"); training the chosen one alone wins some of it back
+    (cpu scale, 6000 steps in 18 min: held-out tau 1.297 -> 1.376). Checkpointed in ckpt_dir every 500
+    steps: an interrupted search resumes its fine-tuning there, a finished one is reused."""
     import copy
     import time
 
@@ -274,7 +275,8 @@ def finetune_best(inp: Inputs, arch, steps: int):
     net = copy.deepcopy(inp.supernet)
     t0 = time.perf_counter()
     logger.info("fine-tuning the best subnet alone for %d steps", steps)
-    info = finetune_subnet(net, arch, data, ids, FinetuneConfig.like_training(steps, inp.state))
+    info = finetune_subnet(net, arch, data, ids, FinetuneConfig.like_training(steps, inp.state), ckpt_dir=ckpt_dir,
+                           identity={"supernet": sweep_key(inp, [])})
     net.eval()
     return net, {**info, "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -298,7 +300,8 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     tuned_net = tuned_sweep = None
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
     if steps and not done.empty:
-        tuned_net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps)
+        tuned_net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps,
+                                        ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune")
         inp.tuned = (tuned_net, info)
         tuned_sweep = SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,

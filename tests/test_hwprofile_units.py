@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_target
 
 from decode.errors import UserError
 from hwprofile.census import Census, count
@@ -223,3 +224,29 @@ def test_cpu_grid_measures_small_trees_exactly_and_interpolates_large_ones(space
     assert max(grid) >= max(sizes) and max(grid) < 2 * max(sizes)
     assert all(n <= 32 or n & (n - 1) == 0 for n in grid)  # above 32: powers of two only
     assert sizes <= set(default_grids("cuda", space).verify_tokens)  # GPUs keep every tree size
+
+
+def test_small_verifies_are_timed_apart_from_large_ones(monkeypatch):
+    """Round-robin with 32-64 token verifies between them, a step and the 2-5 token verifies ran 15-30% slower and
+    unevenly (a profile priced a 2-token verify below a step): the step and verifies of up to SMALL_VERIFY tokens
+    are timed among themselves, the large verifies in their own round-robin, and every case is timed once."""
+    from hwprofile import bench_target
+    from hwprofile.config import Grids
+    from hwprofile.timing import Stat, Timer
+
+    target = tiny_target("tiny-llama")
+    groups = []
+
+    def fake_run(cases, timer, cfg, desc, progress):
+        groups.append([c.key for c in cases])
+        return {c.key: Stat(ms=1.0, iqr_ms=0.0, n=1) for c in cases}
+
+    monkeypatch.setattr(bench_target, "run_cases", fake_run)
+    grids = Grids(contexts=(16, 32), verify_tokens=(1, 2, 8, 9, 32), widths=(1,), default_context=16)
+    tables = bench_target.measure_target(target, grids, Timer(torch.device("cpu")), progress=False, with_census=False)
+    small, large = groups[1:] if len(groups) == 3 else groups  # (the prefill's own round-robin comes first)
+    assert {k[0] for k in small} == {"step", "verify"} and all(k[0] == "step" or k[1] <= 8 for k in small)
+    assert all(k[0] == "verify" and k[1] > 8 for k in large)
+    assert sorted(small + large) == sorted([("step", c) for c in (16, 32)] + [
+        ("verify", n, c) for c in (16, 32) for n in (1, 2, 8, 9, 32)])
+    assert set(tables["verify"].ms) == {(n, c) for c in (16, 32) for n in (1, 2, 8, 9, 32)}
