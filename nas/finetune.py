@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from decode.arch import DraftArch
-from supernet.checkpoint import STATE, load_optimizer, load_weights, read_state, save_checkpoint
+from supernet.checkpoint import STATE, load_optimizer, load_weights, read_state, recover, save_checkpoint
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
 from supernet.train import adamw
@@ -78,10 +78,12 @@ def finetune_lr(cfg: FinetuneConfig, step: int) -> float:
 
 def _resume_point(ckpt_dir: Path | None, identity: dict) -> dict | None:
     """The saved state of this very fine-tuning run in ckpt_dir, None when there is none or it was another run's."""
-    if ckpt_dir is None or not ((Path(ckpt_dir) / STATE).is_file() or Path(f"{ckpt_dir}.tmp").is_dir()
-                                or Path(f"{ckpt_dir}.old").is_dir()):
+    if ckpt_dir is None:
         return None
-    state = read_state(ckpt_dir)  # also puts back a save interrupted between its renames
+    recover(ckpt_dir)  # a save interrupted between its two renames: put the newest complete one back
+    if not (Path(ckpt_dir) / STATE).is_file():
+        return None
+    state = read_state(ckpt_dir)
     if state.get("identity") != identity:
         logger.warning("fine-tuning checkpoint %s is another run's (arch, config, data or supernet differ); "
                        "fine-tuning starts over", ckpt_dir)
