@@ -80,6 +80,8 @@ class SearchConfig:
     context: int | None = None
     scale: str = "demo"
     finetune_steps: int | None = None  # None: the scale's nas.finetune_steps (0: none)
+    finetune_data: str | None = None  # data folder read with the training data when fine-tuning (None: the pipeline's
+    #                                   finetune-data/ where the scale has nas.finetune_data, else none)
     trial_sequences: int | None = None  # held-out sequences trials score on (None: the scale's; 0: all)
     export: bool = True
     device: str = "auto"
@@ -141,6 +143,7 @@ class Inputs:
     defaults: dict  # the scale's nas defaults
     trial_seqs: list[dict] = field(default_factory=list)  # the held-out sequences trials score on
     tuned: tuple | None = None  # (supernet copy, info) after fine-tuning the best subnet alone (finetune_best)
+    finetune_data: str | None = None  # extra fine-tuning data (the target's own answers), read with the training data
 
 
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
@@ -159,6 +162,12 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     defaults = pipeline.nas_defaults(cfg.scale)
     target = load_target(target_name, device=cfg.device, dtype=cfg.dtype,
                          cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None)
+    if cfg.finetune_data is not None:  # checked before any work: it must exist, fit the target, hold no held-out prompt
+        from supernet.dataset import FeatureData
+
+        if FeatureData(cfg.finetune_data, target).manifest.get("config", {}).get("split") == "heldout":
+            raise UserError(f"--finetune-data {cfg.finetune_data} holds held-out prompts: fine-tuning on them would "
+                            "make the held-out tau dishonest; build it with supernet.data --split train")
     pcfg = pipeline.PipelineConfig(target=target_name, scale=cfg.scale, space=cfg.space, device=cfg.device,
                                    dtype=cfg.dtype, cache_dir=cfg.cache_dir)
     ckpt, heldout_data = cfg.supernet, cfg.heldout_data
@@ -187,8 +196,13 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     warn_extrapolation(choice.latency, space)
     n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
     trial_seqs = trial_subset(held.sequences, n_trial or None)
+    finetune_data = cfg.finetune_data
+    steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(defaults.get("finetune_steps", 0))
+    if finetune_data is None and cfg.supernet is None and steps:  # the pipeline: the scale's own answers, if any
+        built_ft = pipeline.finetune_data_stage(pcfg, target)
+        finetune_data = str(built_ft) if built_ft is not None else None
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults,
-                  trial_seqs)
+                  trial_seqs, finetune_data=finetune_data)
 
 
 def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3) -> int:
@@ -268,17 +282,28 @@ def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None):
     import time
 
     from nas.finetune import FinetuneConfig, finetune_subnet
-    from supernet.dataset import FeatureData
+    from supernet.dataset import FeatureData, MixedData
 
     data = FeatureData(inp.state["data"], inp.target)
     ids = list(range(len(data) - (inp.n_heldout or 0)))  # never the held-out tail
+    identity = {"supernet": sweep_key(inp, [])}
+    if inp.finetune_data is not None:  # the target's own answers besides the training data (MixedData indices)
+        extra = FeatureData(inp.finetune_data, inp.target)
+        for layer in arch.feature_layers:
+            extra.layer_index(layer)  # a one-line error when the folder lacks a layer the subnet reads
+        ids += [len(data) + j for j in range(len(extra))]
+        identity["finetune_data"] = {"dir": str(Path(inp.finetune_data).resolve()), "ids": extra.ids}
+        data = MixedData([data, extra])
     net = copy.deepcopy(inp.supernet)
     t0 = time.perf_counter()
-    logger.info("fine-tuning the best subnet alone for %d steps", steps)
+    logger.info("fine-tuning the best subnet alone for %d steps on %d sequences", steps, len(ids))
     info = finetune_subnet(net, arch, data, ids, FinetuneConfig.like_training(steps, inp.state), ckpt_dir=ckpt_dir,
-                           identity={"supernet": sweep_key(inp, [])})
+                           identity=identity)
     net.eval()
-    return net, {**info, "seconds": round(time.perf_counter() - t0, 1)}
+    info = {**info, "sequences": len(ids), "seconds": round(time.perf_counter() - t0, 1)}
+    if inp.finetune_data is not None:
+        info["finetune_data"] = inp.finetune_data
+    return net, info
 
 
 def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: float, hardware: str):
@@ -519,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-steps", type=int, default=None,
                    help="fine-tune the best subnet alone for N sequences before choosing and exporting (its tau "
                         "is re-measured; default: the scale's, 300 at demo scale; 0: off)")
+    p.add_argument("--finetune-data", default=None, metavar="DIR",
+                   help="a supernet.data folder (e.g. the target's own answers: --mode regenerate) that fine-tuning "
+                        "reads besides the supernet's training data (default: the scale's nas.finetune_data, built "
+                        "by the pipeline; none with --supernet)")
     p.add_argument("--trial-sequences", type=int, default=None, metavar="N",
                    help="trials score archs on the first N held-out sequences (image share kept); the contenders of "
                         "the final table are confirmed on all of them (default: the scale's, 6 at demo scale; 0: all)")
@@ -547,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         study_name=args.study_name, sampler=args.sampler, out=args.out, seed=args.seed, heldout=args.heldout,
         heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
         pareto=args.pareto, tree=args.tree, sweep_cache=args.sweep_cache, context=args.context, scale=args.scale,
-        finetune_steps=args.finetune_steps, trial_sequences=args.trial_sequences, runtime=args.runtime,
+        finetune_steps=args.finetune_steps, finetune_data=args.finetune_data, trial_sequences=args.trial_sequences,
+        runtime=args.runtime,
         export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     res = run_search(cfg)
     print(f"study {res.study_name} ({res.storage}): {res.trials_run} trials run, {res.total_complete} finished in all")

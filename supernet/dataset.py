@@ -172,7 +172,7 @@ def check_target(manifest: dict, fingerprint: dict, target_name: str, directory:
 
 
 class FeatureData:
-    """The sequences of a data directory, loaded lazily (one shard held in memory at a time)."""
+    """The sequences of a data directory, read lazily: one sequence's rows per read (shards memory-mapped)."""
 
     def __init__(self, directory: str | Path, target: object = None):
         self.dir = Path(directory)
@@ -199,7 +199,7 @@ class FeatureData:
         for s in self.shards:
             self._starts.append(self._starts[-1] + s["sequences"])
         self.ids: list[str] = [i for s in self.shards for i in s["sequence_ids"]]  # prompt id of each sequence
-        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._open: dict[int, tuple] = {}  # shard index -> (safe_open handle, offsets, prompt_len)
         self._counts: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ description
@@ -246,29 +246,44 @@ class FeatureData:
     def __len__(self) -> int:
         return self._starts[-1]
 
-    def _shard(self, j: int) -> dict[str, torch.Tensor]:
-        if self._cached is None or self._cached[0] != j:
+    def _shard(self, j: int):
+        """Shard j opened for reading slices -> (handle, offsets (S+1,), prompt_len (S,)). The first opening reads
+        the whole shard once to refuse non-finite values (NaN features would train NaN weights silently); later
+        reads take only one sequence's rows (a training run's random order then costs one sequence per read, not
+        a whole shard: at cpu scale 64 sequences and ~70 MB, ~100 ms a read, which was half of a fine-tuning step)."""
+        entry = self._open.get(j)
+        if entry is None:
             path = self.dir / self.shards[j]["file"]
             with open_shard(path) as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-            for k, v in tensors.items():  # NaN features would train NaN weights silently
-                if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                    raise UserError(f"data shard {path} holds non-finite values (NaN/inf) in '{k}'; delete it and "
-                                    "rebuild the data with supernet.data")
-            self._cached = (j, tensors)
-        return self._cached[1]
+                for k in f.keys():
+                    v = f.get_tensor(k)
+                    if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                        raise UserError(f"data shard {path} holds non-finite values (NaN/inf) in '{k}'; delete it "
+                                        "and rebuild the data with supernet.data")
+                    del v
+                offsets, plen = f.get_tensor("offsets"), f.get_tensor("prompt_len")
+            try:
+                handle = safe_open(str(path), "pt")
+            except (SafetensorError, OSError) as err:  # replaced or removed since the check above
+                raise UserError(f"data file {path} cannot be read ({str(err).splitlines()[0][:120]}); rebuild the "
+                                "data with supernet.data") from None
+            entry = self._open[j] = (handle, offsets, plen)
+        return entry
 
     def __getitem__(self, i: int) -> dict:
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence {i} out of range ({len(self)} sequences)")
         i %= len(self)
         j = bisect.bisect_right(self._starts, i) - 1
-        t = self._shard(j)
+        f, offsets, plen = self._shard(j)
         s = i - self._starts[j]
-        a, b = int(t["offsets"][s]), int(t["offsets"][s + 1])
-        out: dict = {k: t[k][a:b].to(_LOAD_DTYPES.get(k, t[k].dtype)) for k in SEQ_KEYS}
-        out["hidden"] = {h: t[f"hidden.{h}"][a:b].float() for h in self.layers}  # {h: (T, H)} fp32
-        out["prompt_len"] = t["prompt_len"][s].clone()
+        a, b = int(offsets[s]), int(offsets[s + 1])
+        out: dict = {}
+        for k in SEQ_KEYS:
+            rows = f.get_slice(k)[a:b]  # a copy of rows a:b in the stored dtype
+            out[k] = rows.to(_LOAD_DTYPES[k]) if k in _LOAD_DTYPES else rows
+        out["hidden"] = {h: f.get_slice(f"hidden.{h}")[a:b].float() for h in self.layers}  # {h: (T, H)} fp32
+        out["prompt_len"] = plen[s].clone()
         return out
 
     def scored_positions(self, answer_only: bool = True) -> list[int]:
@@ -293,11 +308,7 @@ class FeatureData:
 
     def hot_tokens(self, n: int) -> torch.Tensor:
         """(n,) long: the n most frequent next tokens, by count (ties: lower id first)."""
-        counts = self.token_counts()
-        if not 1 <= n <= counts.numel():
-            raise UserError(f"hot vocabulary of {n} tokens asked, the target vocabulary has {counts.numel()}")
-        order = torch.sort(-counts, stable=True).indices  # (V,)
-        return order[:n].clone()
+        return most_frequent(self.token_counts(), n)
 
     # ------------------------------------------------------------------ train / validation
     def split(self, val_fraction: float = 0.05, min_val: int = 1, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -321,3 +332,48 @@ class FeatureData:
             rng.shuffle(groups[j])
             out.extend(groups[j])
         return out
+
+
+def most_frequent(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) long: the n largest entries of counts (V,), ties to the lower id."""
+    if not 1 <= n <= counts.numel():
+        raise UserError(f"hot vocabulary of {n} tokens asked, the target vocabulary has {counts.numel()}")
+    order = torch.sort(-counts, stable=True).indices  # (V,)
+    return order[:n].clone()
+
+
+class MixedData:
+    """Several data folders of one target read as one: sequence i is the first folder's i-th, then the next
+    folder's (len(first) + j is the second's j-th) ... Fine-tuning reads the supernet's training data together
+    with the target's own answers this way; the shared negatives of the topk loss come from the summed counts."""
+
+    def __init__(self, parts: list[FeatureData]):
+        if not parts:
+            raise ValueError("MixedData needs at least one data folder")
+        vocab = {p.vocab_size for p in parts}
+        if len(vocab) > 1:
+            raise UserError(f"data folders {', '.join(str(p.dir) for p in parts)} were made for different targets "
+                            f"(vocabularies {sorted(vocab)}); mix folders of one target")
+        self.parts = parts
+        self._starts = [0]
+        for p in parts:
+            self._starts.append(self._starts[-1] + len(p))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.parts[0].vocab_size
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} out of range ({len(self)} sequences)")
+        j = bisect.bisect_right(self._starts, i) - 1
+        return self.parts[j][i - self._starts[j]]
+
+    def token_counts(self) -> torch.Tensor:
+        return sum(p.token_counts() for p in self.parts)
+
+    def hot_tokens(self, n: int) -> torch.Tensor:
+        return most_frequent(self.token_counts(), n)

@@ -689,3 +689,53 @@ def test_finetuning_resumes_bit_exact_after_a_kill(assets, tmp_path, monkeypatch
     with caplog.at_level("WARNING"):
         run(ckpt, steps=6)
     assert len(trained) == 6 and "another run's" in caplog.text
+
+
+def test_finetuning_reads_the_targets_own_answers_with_the_training_data(assets, tmp_path, monkeypatch):
+    """--finetune-data: fine-tuning trains on the supernet's training data and that folder together (MixedData), the
+    export records it; a folder of held-out prompts or a missing one is refused with one line before any work."""
+    import shutil
+
+    import nas.finetune as ft
+    from supernet.dataset import FeatureData, MixedData
+
+    target = tiny_target(TARGET)
+    extra = tmp_path / "own"
+    with single_thread():
+        build_data(DataConfig(target=TARGET, prompts="sharegpt:3", space="tiny", mode="regenerate", max_len=160,
+                              max_new_tokens=16, max_prompt_chars=130, topk=16, out=str(extra)), target=target)
+    net, state = load_supernet(assets["supernet"], target)
+    train_data, own = FeatureData(state["data"], target), FeatureData(extra, target)
+    mixed = MixedData([train_data, own])
+    assert len(mixed) == len(train_data) + len(own)
+    assert torch.equal(mixed[len(train_data) + 1]["input_ids"], own[1]["input_ids"])
+    assert torch.equal(mixed.token_counts(), train_data.token_counts() + own.token_counts())
+    own_ids = {tuple(own[i]["input_ids"].tolist()) for i in range(len(own))}
+    seen: list[tuple] = []
+    real = ft.subnet_losses
+
+    def spy(model, seq, cfg, **kw):
+        seen.append(tuple(seq["input_ids"].tolist()))
+        return real(model, seq, cfg, **kw)
+
+    monkeypatch.setattr(ft, "subnet_losses", spy)
+    steps = 12
+    res = run_search(_cfg(assets, tmp_path / "run", trials=1, finetune_steps=steps, finetune_data=str(extra)))
+    n_train = len(train_data) - 2  # the checkpoint's last 2 sequences are this search's held-out tail
+    assert len(seen) == steps and own_ids & set(seen)  # its own answers were trained on
+    # one epoch of the shuffled union covers both folders, and never the held-out tail
+    assert set(seen) <= own_ids | {tuple(train_data[i]["input_ids"].tolist()) for i in range(n_train)}
+    tuned = [r for r in json.loads((tmp_path / "run" / "kinds.json").read_text())["rows"] if r.get("tuned")]
+    assert tuned and res.total_complete == 1
+    if res.chosen.get("tuned"):
+        meta = json.loads((res.draft / "draft_config.json").read_text())["metadata"]
+        assert meta["finetune"]["sequences"] == n_train + len(own) and meta["finetune"]["finetune_data"] == str(extra)
+    held = tmp_path / "held"
+    shutil.copytree(extra, held)
+    manifest = json.loads((held / "manifest.json").read_text())
+    manifest["config"]["split"] = "heldout"
+    (held / "manifest.json").write_text(json.dumps(manifest))
+    for bad, match in ((held, "held-out prompts"), (tmp_path / "nowhere", "manifest")):
+        with pytest.raises(UserError, match=match):
+            run_search(_cfg(assets, tmp_path / "bad", finetune_steps=2, finetune_data=str(bad)))
+        assert not (tmp_path / "bad" / "study.db").exists()

@@ -168,6 +168,42 @@ def test_nan_data_and_damaged_shards_are_refused(data_dir, tmp_path):
             train(_cfg(d, tmp_path / f"o-{name}", steps=3))
 
 
+def test_sequences_are_read_one_at_a_time_in_any_order(data_dir, tmp_path):
+    """FeatureData reads one sequence's rows (not its whole shard) and returns exactly the stored rows in any order;
+    the first read from a shard still checks the whole shard, so NaN in a sequence never read is refused too."""
+    import random
+
+    from supernet.dataset import SEQ_KEYS
+
+    data = FeatureData(data_dir)
+    shards = [load_file(str(data_dir / s["file"])) for s in data.shards]
+    assert len(shards) > 1 and all(int(t["offsets"].numel()) > 2 for t in shards)  # several sequences per shard
+    refs = []
+    for t in shards:
+        for s in range(t["offsets"].numel() - 1):
+            a, b = int(t["offsets"][s]), int(t["offsets"][s + 1])
+            refs.append((t, a, b, int(t["prompt_len"][s])))
+    order = list(range(len(data)))
+    random.Random(3).shuffle(order)
+    for i in order:
+        t, a, b, plen = refs[i]
+        seq = data[i]
+        for k in SEQ_KEYS:
+            assert torch.equal(seq[k], t[k][a:b].to(seq[k].dtype)), k
+        assert all(torch.equal(v, t[f"hidden.{h}"][a:b].float()) for h, v in seq["hidden"].items())
+        assert int(seq["prompt_len"]) == plen
+    from safetensors.torch import save_file
+
+    bad = _copy_data(data_dir, tmp_path / "nan-last")
+    shard = bad / data.shards[1]["file"]
+    tensors = load_file(str(shard))
+    key = next(k for k in tensors if k.startswith("hidden."))
+    tensors[key][-1, 0] = float("nan")  # the shard's last sequence
+    save_file(tensors, str(shard))
+    with pytest.raises(UserError, match="non-finite"):
+        FeatureData(bad)[data.shards[0]["sequences"]]  # the shard's first sequence, which is clean
+
+
 def test_a_diverging_run_stops_and_keeps_its_last_finite_checkpoint(data_dir, tmp_path, monkeypatch):
     """One non-finite step is skipped; a second in a row stops training with a clear error, and the checkpoint
     on disk is the last finite one (never NaN weights)."""
