@@ -50,6 +50,12 @@ def test_scale_files_give_valid_settings(scale, tmp_path):
     assert train_keys <= {f.name for f in fields(TrainConfig)}, train_keys
     cfg = config_from_args(build_parser().parse_args(["--data", str(tmp_path), "--scale", scale]))
     assert cfg.scale == scale and cfg.loss in ("topk", "full")
+    from nas.pipeline import nas_defaults
+
+    own = nas_defaults(scale)["finetune_data"]  # the fine-tuning data (the target's own answers), where a scale has it
+    if own is not None:
+        assert set(own) <= known, set(own) - known
+        DataConfig(**{**data, **own}).check()
     SearchSpace.load(cfg.space)  # the scale's space exists
     assert scale_space(scale, "tiny-llava") == "tiny"  # tiny targets keep the tiny space whatever the scale
 
@@ -222,3 +228,28 @@ def test_pipeline_rebuilds_a_cached_data_folder_made_with_other_prompts(tmp_path
     assert _complete(out, cfg) and out.is_dir()
     (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {"prompts": "sharegpt:8"}}))
     assert not _complete(out, cfg) and not out.exists()  # removed: the stage builds it again
+
+
+def test_pipeline_builds_the_scales_own_answer_data_once(data_dir, tmp_path, monkeypatch):
+    """A scale with nas.finetune_data gets a finetune-data/ folder of the target's own answers to train-split prompts
+    (the training data's entropy layer), reused on the next run; a scale without one gets none."""
+    import shutil
+
+    from nas import pipeline
+
+    target = tiny_target(TARGET)
+    cfg = pipeline.PipelineConfig(target=TARGET, scale="smoke", root=str(tmp_path / "run"), device="cpu",
+                                  dtype="float32")
+    shutil.copytree(data_dir, tmp_path / "run" / "data")
+    assert pipeline.finetune_data_stage(cfg, target) is None  # smoke: no own-answer data
+    real = pipeline.nas_defaults
+    monkeypatch.setattr(pipeline, "nas_defaults",
+                        lambda scale: {**real(scale), "finetune_data": {"prompts": "sharegpt:2", "max_new_tokens": 8}})
+    with single_thread():
+        out = pipeline.finetune_data_stage(cfg, target)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert out == tmp_path / "run" / "finetune-data" and manifest["complete"]
+    assert manifest["config"]["mode"] == "regenerate" and manifest["config"]["split"] == "train"
+    assert manifest["entropy"]["layer"] == json.loads((data_dir / "manifest.json").read_text())["entropy"]["layer"]
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert pipeline.finetune_data_stage(cfg, target) == out and (out / "manifest.json").stat().st_mtime_ns == stamp
