@@ -254,19 +254,18 @@ class FeatureData:
         entry = self._open.get(j)
         if entry is None:
             path = self.dir / self.shards[j]["file"]
-            with open_shard(path) as f:
-                for k in f.keys():
-                    v = f.get_tensor(k)
+            try:
+                handle = safe_open(str(path), "pt")  # kept open: later reads slice it
+                for k in handle.keys():
+                    v = handle.get_tensor(k)
                     if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                         raise UserError(f"data shard {path} holds non-finite values (NaN/inf) in '{k}'; delete it "
                                         "and rebuild the data with supernet.data")
                     del v
-                offsets, plen = f.get_tensor("offsets"), f.get_tensor("prompt_len")
-            try:
-                handle = safe_open(str(path), "pt")
-            except (SafetensorError, OSError) as err:  # replaced or removed since the check above
+                offsets, plen = handle.get_tensor("offsets"), handle.get_tensor("prompt_len")
+            except (SafetensorError, OSError) as err:
                 raise UserError(f"data file {path} cannot be read ({str(err).splitlines()[0][:120]}); rebuild the "
-                                "data with supernet.data") from None
+                                "data with supernet.data (it resumes from the intact shards)") from None
             entry = self._open[j] = (handle, offsets, plen)
         return entry
 
