@@ -1,7 +1,7 @@
 """The per-cycle overhead: what a real propose + accept spends outside the tabled components.
 
-What the component tables do not see is Python and small-tensor bookkeeping: build_tree's heaps
-and lists, TentativeSlots' ancestor rows, the per-level masks, positions and parent-feature stacks,
+What the component tables do not see is Python and small-tensor bookkeeping: build_tree's selections
+(top-k, sorts, gathers), TentativeSlots' ancestor rows, the per-level masks, positions and parent-feature stacks,
 DraftKV commit/drop, accept's pending bookkeeping. It grows with the number of tree levels and the
 frontier width, so it is measured per (tree_depth, top_k) of the search space, on a real
 NeuralDraft of the cheapest arch of the space (started on a prefilled target at the default

@@ -15,8 +15,8 @@ import functools
 import torch
 
 from decode.loop.sampling import SamplingConfig
+from decode.loop.speculative import verify_cycle
 from decode.loop.tree import DraftTree
-from decode.loop.verify import verify
 from decode.prompt import Prompt
 from decode.targets.target import TargetModel
 
@@ -64,8 +64,5 @@ def verify_tree(target: TargetModel, tree: DraftTree, feature_layers: tuple[int,
     -> path (node ids), bonus token, path tokens, target features at the path ({layer: (m, H)}).
     """
     tree = tree.truncated(_NO_LIMIT)  # the loop truncates near max_new_tokens; same bookkeeping
-    out = target.forward_tree(tree.tokens, tree.parents, feature_layers=feature_layers)
-    path, bonus = verify(tree, out.logits, sampling, None)
-    target.keep(path)
-    path_tokens = tree.tokens[path].tolist()
-    return path, bonus, path_tokens, {k: v[path] for k, v in out.hidden.items()}
+    verdict, path_hidden = verify_cycle(target, tree, feature_layers, sampling, None)
+    return verdict.path, verdict.bonus, verdict.tokens, path_hidden

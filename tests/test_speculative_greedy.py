@@ -59,8 +59,8 @@ class OracleDraft(NeuralDraft):
 
     def _node_logits(self, nodes, tokens, parents):
         logits = super()._node_logits(nodes, tokens, parents).clone()
-        for row, node in enumerate(nodes):
-            depth = 0 if node == 0 else self.slots.depth_of[node]
+        for row, node in enumerate(torch.as_tensor(nodes).tolist()):
+            depth = 0 if node == 0 else int(self.slots.depth_of[node])
             i = self.root_pos + depth + 1 - self.t0  # index into the continuation of the predicted token
             if 0 <= i < len(self.cont) and i % self.every != self.every - 1:
                 logits[row, self.cont[i]] += 1000.0
@@ -88,8 +88,8 @@ def test_accepting_draft_is_lossless_and_its_cache_matches_a_fresh_feed(family, 
     pre = target.prefill(fresh_prompt, feature_layers=draft.feature_layers)
     fresh = NeuralDraft(model)
     fresh.start(target, fresh_prompt, pre)
-    fresh._begin(0)
-    fresh._node_logits([0], torch.tensor([want[committed - prompt.length]]), torch.tensor([-1]))
+    fresh._begin(0, 1, fresh._device())
+    fresh._node_logits(torch.tensor([0]), torch.tensor([want[committed - prompt.length]]), torch.tensor([-1]))
     for a, b in zip(draft.cache.kv, fresh.cache.kv):
         torch.testing.assert_close(a[0][:, :committed], b[0][:, :committed], atol=1e-4, rtol=0)
         torch.testing.assert_close(a[1][:, :committed], b[1][:, :committed], atol=1e-4, rtol=0)

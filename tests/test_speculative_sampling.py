@@ -13,7 +13,7 @@ from decode.loop import speculative as spec_mod
 from decode.loop.sampling import SamplingConfig, probs_from_logits
 from decode.loop.speculative import speculative_generate
 from decode.loop.tree import DraftTree, TreePolicy
-from decode.loop.verify import verify_sampling
+from decode.loop.verify import Verdict, verify_sampling
 
 CFG = SamplingConfig(temperature=1.0)
 
@@ -35,7 +35,8 @@ def wrong_verify(tree, logits, cfg, generator):
                 nxt = c
                 break
         if nxt is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
+            bonus = int(torch.multinomial(p, 1, generator=generator))
+            return Verdict(path, tree.tokens[path].tolist(), bonus)
         path.append(nxt)
         node = nxt
 
@@ -45,7 +46,7 @@ def _first_token_counts(tree_fn, p_logits, n, verify_fn=verify_sampling, seed=0)
     counts = torch.zeros(p_logits.shape[-1])
     for _ in range(n):
         tree = tree_fn(g)
-        path, bonus = verify_fn(tree, p_logits.expand(tree.size, -1), CFG, g)
+        path, _, bonus = verify_fn(tree, p_logits.expand(tree.size, -1), CFG, g)  # (path, path tokens, bonus)
         counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
     return counts
 

@@ -102,7 +102,7 @@ class TableScorer:
 
     def score(self, nodes, tokens, parents):
         rows = []
-        for node, tok, par in zip(nodes, tokens.tolist(), parents.tolist()):
+        for node, tok, par in zip(nodes.tolist(), tokens.tolist(), parents.tolist()):
             d = 0 if par < 0 else self.depth[par] + 1
             self.depth[node] = d
             rows.append(self.table[tok, d])

@@ -66,38 +66,41 @@ class Draft(ABC):
 
 
 class TentativeSlots:
-    """Maps tree node ids to tentative cache entries and builds their masks and depths.
+    """Maps tree node ids to tentative cache entries and builds their masks and depths, with tensor ops only
+    (no per-node host work, nothing read back: see decode.loop.tree.build_tree).
 
     root_committed: the root's entry is already committed (neural drafts commit it, since its
     inputs are exact); otherwise the root is tentative slot 0 at depth 0.
+    capacity: more than the largest node id the tree builder creates (TreePolicy.created_nodes()).
     """
 
-    def __init__(self, root_committed: bool):
+    def __init__(self, root_committed: bool, capacity: int, device: torch.device | str = "cpu"):
         self.root_committed = root_committed
-        self.slot_of: dict[int, int] = {}
-        self.depth_of: dict[int, int] = {0: 0}
-        self.anc: list[torch.Tensor] = []  # per slot: bool row over slots (ancestors incl. itself)
-        self.depths: list[int] = []
+        self.device = torch.device(device)
+        self.slot_of = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # node -> slot (-1: none)
+        self.depth_of = torch.zeros(capacity, dtype=torch.long, device=self.device)  # node -> depth (root 0)
+        self.anc = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # (M, M) ancestors-or-self over slots
+        self.depths = torch.zeros(0, dtype=torch.long, device=self.device)  # (M,) slot depths
 
-    def add(self, nodes: list[int], parents: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> tent_mask (n, M) bool over all M slots, q_depths (n,), k_depths (M,)."""
-        start = len(self.depths)
-        total = start + len(nodes)
-        rows = []
-        for i, (node, parent) in enumerate(zip(nodes, parents)):
-            row = torch.zeros(total, dtype=torch.bool)
-            if parent in self.slot_of:
-                prev = self.anc[self.slot_of[parent]]
-                row[: prev.numel()] = prev
-            row[start + i] = True
-            depth = 0 if parent < 0 else self.depth_of[parent] + 1
-            self.slot_of[node] = start + i
-            self.depth_of[node] = depth
-            self.depths.append(depth)
-            rows.append(row)
-        self.anc = [torch.cat([a, torch.zeros(total - a.numel(), dtype=torch.bool)]) for a in self.anc] + rows
-        q_depths = torch.tensor(self.depths[start:], dtype=torch.long)
-        return torch.stack(rows), q_depths, torch.tensor(self.depths, dtype=torch.long)
+    def add(self, nodes: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """nodes (n,), parents (n,) long (-1: the root) -> tent_mask (n, M) bool over all M slots, q_depths (n,),
+        k_depths (M,). A parent with no slot (the committed root) contributes no ancestors."""
+        nodes, parents = nodes.to(self.device), parents.to(self.device)
+        n, start = nodes.numel(), self.depths.numel()
+        has_parent = parents >= 0
+        pslot = torch.where(has_parent, self.slot_of[parents.clamp(min=0)], -1)  # (n,)
+        if start:
+            inherited = self.anc[pslot.clamp(min=0)] & (pslot >= 0)[:, None]  # (n, start): the parent's row
+        else:
+            inherited = torch.zeros(n, 0, dtype=torch.bool, device=self.device)
+        rows = torch.cat([inherited, torch.eye(n, dtype=torch.bool, device=self.device)], dim=1)  # (n, start + n)
+        q_depths = torch.where(has_parent, self.depth_of[parents.clamp(min=0)] + 1, 0)
+        self.slot_of[nodes] = torch.arange(start, start + n, device=self.device)
+        self.depth_of[nodes] = q_depths
+        grown = torch.zeros(start, n, dtype=torch.bool, device=self.device)
+        self.anc = torch.cat([torch.cat([self.anc, grown], dim=1), rows])
+        self.depths = torch.cat([self.depths, q_depths])
+        return rows, q_depths, self.depths
 
 
 class _Scorer:
@@ -117,18 +120,25 @@ class ModelDraft(Draft):
     """A draft that scores tree nodes with a network: implement _begin/_node_logits/_end."""
 
     def propose(self, root, policy, sampling, generator):
-        self._begin(root)
+        device = self._device()
+        self._begin(root, policy.created_nodes(), device)
         try:
             scorer = _Scorer(self._node_logits, sampling, policy.candidates == "sample")
-            return build_tree(scorer, root, policy, generator)
+            return build_tree(scorer, root, policy, generator, device)
         finally:
             self._end()
 
     @abstractmethod
-    def _begin(self, root: int) -> None: ...
+    def _device(self) -> torch.device:
+        """Where the draft runs: its trees are built there."""
 
     @abstractmethod
-    def _node_logits(self, nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor: ...
+    def _begin(self, root: int, capacity: int, device: torch.device) -> None:
+        """A new proposal whose builder creates fewer than `capacity` nodes, on `device`."""
+
+    @abstractmethod
+    def _node_logits(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Feed nodes (n,) with tokens (n,) under parents (n,) (device tensors, the root's call first) -> (n, V)."""
 
     @abstractmethod
     def _end(self) -> None: ...

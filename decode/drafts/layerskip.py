@@ -31,13 +31,16 @@ class LayerSkipDraft(ModelDraft):
             raise UserError(f"layerskip:K needs 1 <= K < {target.num_layers} (the target's layers), got {self.k}")
         self.target = target
 
-    def _begin(self, root: int) -> None:
+    def _device(self) -> torch.device:
+        return self.target.device
+
+    def _begin(self, root: int, capacity: int, device: torch.device) -> None:
         # the target's first K layers hold exactly this draft's committed KV: copy, no catch-up
         self.cache = self.target.prefix_cache(self.k)
-        self.slots = TentativeSlots(root_committed=False)
+        self.slots = TentativeSlots(root_committed=False, capacity=capacity, device=device)
 
     def _node_logits(self, nodes, tokens, parents) -> torch.Tensor:
-        tent_mask, q_depths, k_depths = self.slots.add(nodes, parents.tolist())
+        tent_mask, q_depths, k_depths = self.slots.add(nodes, parents)
         return self.target.forward_prefix(self.k, self.cache, tokens, tent_mask, q_depths, k_depths)
 
     def _end(self) -> None:

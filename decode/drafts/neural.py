@@ -111,15 +111,21 @@ class NeuralDraft(ModelDraft):
         self.root_pos = self.root_pos + m
 
     # ------------------------------------------------------------------ tree scoring
-    def _begin(self, root: int) -> None:
-        self.slots = TentativeSlots(root_committed=True)
-        self.hidden_of: dict[int, torch.Tensor] = {}
+    def _device(self) -> torch.device:
+        return self.model.feat_fc.weight.device
+
+    def _begin(self, root: int, capacity: int, device: torch.device) -> None:
+        self.slots = TentativeSlots(root_committed=True, capacity=capacity, device=device)
+        self.hidden_of = torch.zeros(capacity, self.model.dims.hidden_size, device=device,
+                                     dtype=self.model.feat_fc.weight.dtype)  # node -> its draft hidden
+        self.first_level = True  # a proposal's first call feeds the root
 
     def _node_logits(self, nodes, tokens, parents) -> torch.Tensor:
         model, cache = self.model, self.cache
         dev = self.root_feat.device
         tokens = tokens.to(dev)
-        if nodes == [0]:
+        if self.first_level:
+            self.first_level = False
             # pending committed pairs + the root, causal among themselves, all committed
             toks = torch.cat([self.pending_tokens, tokens])
             g = model.project_features(torch.cat([self.pending_feats, self.root_feat[None]]))
@@ -132,14 +138,14 @@ class NeuralDraft(ModelDraft):
             self.root_fed = True
             self.hidden_of[0] = hidden[-1]
             return logits
-        tent_mask, q_depths, _ = self.slots.add(nodes, parents.tolist())
-        g = torch.stack([self.hidden_of[p] for p in parents.tolist()])  # parent's draft hidden (EAGLE)
-        pos = self.root_pos + q_depths.to(dev)
-        allowed = torch.cat([torch.ones(len(nodes), cache.committed, dtype=torch.bool, device=dev),
-                             tent_mask.to(dev)], dim=1)
+        nodes, parents = nodes.to(dev), parents.to(dev)
+        tent_mask, q_depths, _ = self.slots.add(nodes, parents)
+        g = self.hidden_of[parents]  # (n, H): each parent's draft hidden (EAGLE)
+        pos = self.root_pos + q_depths
+        allowed = torch.cat([torch.ones(nodes.numel(), cache.committed, dtype=torch.bool, device=dev), tent_mask],
+                            dim=1)
         hidden, logits = self._level(tokens, g, pos, allowed)
-        for node, h in zip(nodes, hidden):
-            self.hidden_of[node] = h
+        self.hidden_of[nodes] = hidden.to(self.hidden_of.dtype)
         return logits
 
     def _level(self, tokens, g, pos, allowed, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

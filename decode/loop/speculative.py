@@ -15,9 +15,9 @@ import torch
 
 from decode.drafts.base import Draft
 from decode.loop.sampling import SamplingConfig, make_generator, sample_token
-from decode.loop.tree import TreePolicy
+from decode.loop.tree import DraftTree, TreePolicy
 from decode.loop.vanilla import GenerationResult, check_max_new_tokens, sync_device
-from decode.loop.verify import verify
+from decode.loop.verify import Verdict, verify
 from decode.prompt import Prompt
 from decode.runtime.compiled import bucket
 from decode.targets.target import TargetModel
@@ -40,6 +40,16 @@ class SpecResult(GenerationResult):
         d = super().to_dict()
         d.update(tau=self.tau, accept_hist={str(k): v for k, v in sorted(self.accept_hist.items())})
         return d
+
+
+def verify_cycle(target: TargetModel, tree: DraftTree, feature_layers: tuple[int, ...], sampling: SamplingConfig,
+                 generator: torch.Generator | None) -> tuple[Verdict, dict[int, torch.Tensor]]:
+    """A cycle's verify half: score the tree in one target forward, pick the accepted path, keep it in the target's
+    cache -> (the verdict, the target's features at the path {layer: (m, H)}). Greedy reads the device once."""
+    out = target.forward_tree(tree.tokens, tree_mask=tree.mask, feature_layers=feature_layers)
+    verdict = verify(tree, out.logits, sampling, generator)
+    target.keep(verdict.path, checked=False)  # a path verify just walked: no need to read the mask back
+    return verdict, {k: v[verdict.path] for k, v in out.hidden.items()}
 
 
 @torch.no_grad()
@@ -76,23 +86,21 @@ def speculative_generate(
         tree = draft.propose(root, policy, sampling, gen).truncated(max_new_tokens - len(tokens) - 1)
         sync_device(target.device)
         tv = time.perf_counter()
-        out = target.forward_tree(tree.tokens, tree.parents, feature_layers=draft.feature_layers)
-        path, bonus = verify(tree, out.logits, sampling, gen)
-        target.keep(path)
+        verdict, path_hidden = verify_cycle(target, tree, draft.feature_layers, sampling, gen)
         sync_device(target.device)
         td2 = time.perf_counter()
-        path_tokens = tree.tokens[path].tolist()
+        path_tokens, bonus = verdict.tokens, verdict.bonus
         new = path_tokens[1:] + [bonus]
         for i, tok in enumerate(new):  # stop right after an EOS, as vanilla decoding does
             if tok in eos:
                 new = new[: i + 1]
                 break
         tokens.extend(new)
-        hist[len(path) - 1] += 1
+        hist[len(path_tokens) - 1] += 1
         sizes.append(tree.size)
         root = new[-1]
         if root not in eos and len(tokens) < max_new_tokens:
-            draft.accept(path_tokens, {k: v[path] for k, v in out.hidden.items()}, bonus)
+            draft.accept(path_tokens, path_hidden, bonus)
         sync_device(target.device)
         t_end = time.perf_counter()
         draft_s += (tv - td) + (t_end - td2)

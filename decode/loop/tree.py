@@ -4,13 +4,14 @@ Node 0 of every tree is the *root*: the last emitted token, which the target has
 The other nodes are draft guesses; parents come before children. The verify forward scores all
 N nodes at once: node i's target logits predict the token after node i.
 
-Builders talk to a draft through `NodeScorer.score(tokens, parents)`: feed these new nodes (their
-parents are earlier node ids, -1 for the root) and return their next-token log-probabilities.
+Builders talk to a draft through `NodeScorer.score(nodes, tokens, parents)`: feed these new nodes (their
+parents are earlier node ids, -1 for the root) and return their next-token log-probabilities. Node ids, tokens
+and parents are tensors on the draft's device and a builder never reads them back (see build_tree).
 """
 
 from __future__ import annotations
 
-import heapq
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,7 +20,7 @@ import torch
 
 from decode.arch import TreeSpec
 from decode.errors import UserError
-from decode.loop.tree_mask import ancestor_mask, depths_from_mask
+from decode.loop.tree_mask import ancestor_mask, depths_from_mask, validate_parents
 
 
 @dataclass
@@ -29,25 +30,35 @@ class DraftTree:
     scores: torch.Tensor | None = None  # (N,) cumulative draft log-prob (root 0), for information
     dists: torch.Tensor | None = None  # (N, V) draft probs each node's children were *sampled* from
     sampled: bool = False  # children drawn without replacement from dists, in index order
+    depth: int | None = None  # a bound on the deepest node's depth known to the builder (None: read the tree)
 
     def __post_init__(self) -> None:
+        # shapes only: reading values would stall a GPU's queue once per tree (the builders make valid trees;
+        # validate() checks one made elsewhere)
         self.tokens = self.tokens.reshape(-1).long()
         self.parents = self.parents.reshape(-1).long()
-        if self.tokens.numel() != self.parents.numel() or int(self.parents[0]) != -1:
-            raise ValueError("a DraftTree needs one parent per token and node 0 as the only root")
+        if self.tokens.numel() != self.parents.numel() or self.tokens.numel() == 0:
+            raise ValueError("a DraftTree needs one parent per token and at least the root")
         if self.sampled and self.dists is None:
             raise ValueError("a sampled DraftTree needs the draft distributions")
+
+    def validate(self) -> "DraftTree":
+        """Raise ValueError unless node 0 is the only root and parents come before children (reads the values)."""
+        if int(self.parents[0]) != -1 or bool((self.parents[1:] < 0).any()):
+            raise ValueError("a DraftTree needs node 0 as the only root")
+        validate_parents(self.parents)
+        return self
 
     @property
     def size(self) -> int:
         return self.tokens.numel()
 
-    @property
+    @functools.cached_property
     def mask(self) -> torch.Tensor:
-        """(N, N) bool ancestor-or-self mask."""
-        return ancestor_mask(self.parents)
+        """(N, N) bool ancestor-or-self mask (computed once per tree, on the tree's device)."""
+        return ancestor_mask(self.parents, check=False)
 
-    @property
+    @functools.cached_property
     def depths(self) -> torch.Tensor:
         return depths_from_mask(self.mask)
 
@@ -56,28 +67,31 @@ class DraftTree:
 
     def truncated(self, max_depth: int) -> "DraftTree":
         """The sub-tree of nodes at depth <= max_depth (the loop never verifies more than it may emit)."""
+        if self.depth is not None and self.depth <= max_depth:
+            return self  # known without reading the tree back: every cycle but the last few of a generation
         keep = (self.depths <= max_depth).nonzero().flatten()
         if keep.numel() == self.size:
             return self
-        remap = torch.full((self.size,), -1, dtype=torch.long)
-        remap[keep] = torch.arange(keep.numel())
+        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.parents.device)
+        remap[keep] = torch.arange(keep.numel(), device=keep.device)
         parents = self.parents[keep]
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
         return DraftTree(
             tokens=self.tokens[keep], parents=parents,
             scores=None if self.scores is None else self.scores[keep],
             dists=None if self.dists is None else self.dists[keep.to(self.dists.device)],
-            sampled=self.sampled,
+            sampled=self.sampled, depth=max_depth,
         )
 
 
 def root_only(root: int) -> DraftTree:
-    return DraftTree(torch.tensor([root]), torch.tensor([-1]), scores=torch.zeros(1))
+    return DraftTree(torch.tensor([root]), torch.tensor([-1]), scores=torch.zeros(1), depth=0)
 
 
 class NodeScorer(Protocol):
-    def score(self, nodes: list[int], tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        """Feed new nodes (ids (n,), tokens (n,), parent ids (n,), -1 for the root) -> (n, V) log-probs."""
+    def score(self, nodes: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Feed new nodes (ids (n,), tokens (n,), parent ids (n,), -1 for the root; long tensors on the draft's
+        device, the root's call first) -> (n, V) log-probs."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,14 @@ class TreePolicy:
             return (1,) * self.spec.tree_depth
         return self.branching
 
+    def created_nodes(self) -> int:
+        """How many nodes (root included) a builder creates under this policy before any selection: node ids
+        stay below it (a draft sizes its per-node buffers with it)."""
+        if self.kind == "dynamic":
+            k, depth = self.spec.top_k, self.spec.tree_depth
+            return 1 + k + (depth - 1) * k * k
+        return 1 + sum(math.prod(self.levels[: d + 1]) for d in range(len(self.levels)))
+
     def widest_level(self) -> int:
         """The most rows one level forward of a draft feeds under this policy: the top_k frontier nodes (dynamic) or
         one depth's nodes (chain/static), or the root level's pending pairs (up to depth + 1 accepted tokens) and
@@ -147,87 +169,96 @@ def _pick_children(logp: torch.Tensor, k: int, sample: bool, generator: torch.Ge
 
 
 def build_tree(
-    scorer: NodeScorer, root: int, policy: TreePolicy, generator: torch.Generator | None = None
+    scorer: NodeScorer, root: int, policy: TreePolicy, generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
 ) -> DraftTree:
+    """The draft tree of `policy` rooted at `root`, built on `device` (the draft's): node ids, tokens, parents and
+    scores are device tensors and every selection (top-k, EAGLE-2 re-ranking) a tensor op, so that building a tree
+    reads nothing back to the host (a GPU runs a whole cycle with one sync, the accepted length)."""
     if policy.kind == "dynamic":
-        return _build_dynamic(scorer, root, policy.spec)
-    return _build_levels(scorer, root, policy.levels, policy.candidates == "sample", generator)
+        return _build_dynamic(scorer, root, policy.spec, torch.device(device))
+    return _build_levels(scorer, root, policy.levels, policy.candidates == "sample", generator, torch.device(device))
+
+
+def _root(root: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, tokens, parents) of the root level: node 0, token `root`, parent -1, each (1,) on `device`."""
+    return (torch.zeros(1, dtype=torch.long, device=device), torch.tensor([root], device=device),
+            torch.full((1,), -1, dtype=torch.long, device=device))
 
 
 def _build_levels(
-    scorer: NodeScorer, root: int, levels: tuple[int, ...], sample: bool, generator: torch.Generator | None
+    scorer: NodeScorer, root: int, levels: tuple[int, ...], sample: bool, generator: torch.Generator | None,
+    device: torch.device,
 ) -> DraftTree:
-    """Chain/static: every node at depth d gets levels[d] children (top-k or sampled)."""
-    tokens, parents, scores = [root], [-1], [0.0]
-    dist_rows: dict[int, torch.Tensor] = {}
-    frontier = [0]
-    logp = scorer.score([0], torch.tensor([root]), torch.tensor([-1]))  # (1, V)
+    """Chain/static: every node at depth d gets levels[d] children (top-k or sampled), numbered level by level
+    (parent by parent, then in pick order: the order verification tries siblings in)."""
+    ids, tokens, parents = _root(root, device)
+    scores = torch.zeros(1, device=device)
+    logp = scorer.score(ids, tokens, parents)  # (1, V)
+    frontier = ids
+    dist_nodes, dist_rows = [], []
     for d, k in enumerate(levels):
+        k = min(k, logp.shape[-1])
         picks = _pick_children(logp, k, sample, generator)  # (n, k)
-        new = []
-        for row, node in enumerate(frontier):
-            if sample:
-                dist_rows[node] = logp[row].exp()
-            for tok in picks[row].tolist():
-                tokens.append(tok)
-                parents.append(node)
-                scores.append(scores[node] + float(logp[row, tok]))
-                new.append(len(tokens) - 1)
+        if sample:
+            dist_nodes.append(frontier)
+            dist_rows.append(logp.exp())
+        start = tokens.numel()
+        new = torch.arange(start, start + frontier.numel() * k, device=device)
+        tokens = torch.cat([tokens, picks.reshape(-1)])
+        parents = torch.cat([parents, frontier.repeat_interleave(k)])
+        scores = torch.cat([scores, (scores[frontier][:, None] + logp.float().gather(1, picks)).reshape(-1)])
         frontier = new
         if d + 1 < len(levels):
-            logp = scorer.score(new, torch.tensor([tokens[i] for i in new]), torch.tensor([parents[i] for i in new]))
+            logp = scorer.score(new, tokens[new], parents[new])
     dists = None
-    if sample:
-        vocab = next(iter(dist_rows.values())).numel()
-        dists = torch.zeros(len(tokens), vocab)
-        for node, row in dist_rows.items():
-            dists[node] = row.cpu()
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores), dists, sample)
+    if sample:  # (N, V): the q each node's children were drawn from (zero rows for leaves)
+        dists = torch.zeros(tokens.numel(), logp.shape[-1], device=device)
+        dists[torch.cat(dist_nodes)] = torch.cat(dist_rows).float()
+    return DraftTree(tokens, parents, scores, dists, sample, depth=len(levels))
 
 
-def _build_dynamic(scorer: NodeScorer, root: int, spec: TreeSpec) -> DraftTree:
+def _top_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores, ties toward the lower index (a stable descending sort), in index order."""
+    order = torch.sort(scores, descending=True, stable=True).indices[:k]
+    return order.sort().values
+
+
+def _build_dynamic(scorer: NodeScorer, root: int, spec: TreeSpec, device: torch.device) -> DraftTree:
     """EAGLE-2: expand the top_k best frontier nodes by top_k children per level, then keep the
     total_tokens best nodes overall by cumulative draft log-prob.
 
-    Per level one draft forward over top_k nodes. Cumulative log-probs only decrease along a path,
-    so the best nodes form a connected tree; ties are broken toward shallower, earlier nodes, and
-    any missing ancestor is added so the result is always a tree.
+    Per level one draft forward over top_k nodes. Cumulative log-probs never increase along a path and ties go
+    to the lower node id (a parent's id is below its children's), so the best nodes always form a connected
+    tree: a node is never chosen before its parent.
     """
     k = spec.top_k
-    tokens, parents, scores, depth = [root], [-1], [0.0], [0]
-    logp = scorer.score([0], torch.tensor([root]), torch.tensor([-1]))  # (1, V)
-    frontier = [0]
+    ids, tokens, parents = _root(root, device)
+    scores = torch.zeros(1, device=device)
+    frontier = ids
+    logp = scorer.score(ids, tokens, parents)  # (1, V)
     for level in range(spec.tree_depth):
-        top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        new = []
-        for row, node in enumerate(frontier):
-            for lp, tok in zip(top.values[row].tolist(), top.indices[row].tolist()):
-                tokens.append(tok)
-                parents.append(node)
-                scores.append(scores[node] + lp)
-                depth.append(level + 1)
-                new.append(len(tokens) - 1)
+        top = logp.float().topk(min(k, logp.shape[-1]), dim=-1)  # (n, k) each, descending
+        start, width = tokens.numel(), top.indices.numel()
+        new = torch.arange(start, start + width, device=device)
+        tokens = torch.cat([tokens, top.indices.reshape(-1)])
+        parents = torch.cat([parents, frontier.repeat_interleave(top.indices.shape[1])])
+        scores = torch.cat([scores, (scores[frontier][:, None] + top.values).reshape(-1)])
         if level + 1 == spec.tree_depth:
             break
-        frontier = heapq.nlargest(k, new, key=lambda i: (scores[i], -i))
-        frontier.sort()
-        logp = scorer.score(
-            frontier, torch.tensor([tokens[i] for i in frontier]), torch.tensor([parents[i] for i in frontier])
-        )
-    candidates = range(1, len(tokens))
-    best = heapq.nlargest(spec.total_tokens, candidates, key=lambda i: (scores[i], -depth[i], -i))
-    chosen = set(best)
-    for i in best:  # close under ancestors (only matters on exact ties)
-        p = parents[i]
-        while p > 0 and p not in chosen:
-            chosen.add(p)
-            p = parents[p]
-    keep = [0] + sorted(chosen)  # creation order is topological
-    remap = {old: new for new, old in enumerate(keep)}
+        frontier = new[_top_rows(scores[new], k)]
+        logp = scorer.score(frontier, tokens[frontier], parents[frontier])
+    n = tokens.numel()
+    best = _top_rows(scores[1:], spec.total_tokens) + 1  # node ids, ascending (= topological)
+    keep = torch.cat([ids, best])
+    remap = torch.full((n,), -1, dtype=torch.long, device=device)
+    remap[keep] = torch.arange(keep.numel(), device=device)
+    kept_parents = parents[keep]
     return DraftTree(
-        tokens=torch.tensor([tokens[i] for i in keep]),
-        parents=torch.tensor([-1] + [remap[parents[i]] for i in keep[1:]]),
-        scores=torch.tensor([scores[i] for i in keep]),
+        tokens=tokens[keep],
+        parents=torch.where(kept_parents >= 0, remap[kept_parents.clamp(min=0)], kept_parents),
+        scores=scores[keep],
+        depth=spec.tree_depth,
     )
 
 

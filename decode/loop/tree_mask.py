@@ -21,15 +21,18 @@ def validate_parents(parents: torch.Tensor) -> None:
         raise ValueError("parents[i] must be -1 or an index < i (parents listed before children)")
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_mask(parents: torch.Tensor, check: bool = True) -> torch.Tensor:
     """(N,N) bool, [i, j] True when j is i itself or one of i's ancestors.
+
+    check: validate `parents` first (reads them back: a host sync on a GPU; the loop's own trees skip it).
 
     Transitive closure by repeated squaring of the "self or parent" relation: after k squarings
     a row reaches every ancestor up to 2**k levels up, and a tree of N tokens is at most N deep,
     so ceil(log2 N) squarings suffice. A fixed number of small matmuls (no per-node Python loop,
     no host sync) keeps this cheap on a GPU; 0/1 products summed in fp32 are exact for N < 2**24.
     """
-    validate_parents(parents)
+    if check:
+        validate_parents(parents)
     n = parents.numel()
     device = parents.device
     eye = torch.eye(n, dtype=torch.bool, device=device)

@@ -1,11 +1,16 @@
 """Lossless verification of a draft tree against the target's logits at every node.
 
-Both functions return (path, bonus): path = accepted node ids from the root (node 0, always
-accepted: the target itself chose it) down the tree, bonus = one more token drawn from the
-target at the last accepted node. The emitted tokens of the cycle are tokens[path[1:]] + [bonus].
+Both functions return a Verdict: path = accepted node ids from the root (node 0, always
+accepted: the target itself chose it) down the tree, their tokens, and bonus = one more token drawn from
+the target at the last accepted node. The emitted tokens of the cycle are tokens[1:] + [bonus].
+
+Greedy verification runs on the tree's device and reads back one small tensor (the cycle's one host sync);
+sampling walks the tree on the host (its accept/reject draws depend on one another).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -21,22 +26,37 @@ def _children_lists(tree: DraftTree) -> list[list[int]]:
     return kids
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Greedy: follow the child whose token is the target's argmax; stop when none is.
+class Verdict(NamedTuple):
+    path: list[int]  # accepted node ids, root first
+    tokens: list[int]  # their tokens
+    bonus: int  # the target's token after the last accepted node
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Greedy: follow the child whose token is the target's argmax (the first such sibling); stop when none is.
 
     logits: (N, V) target logits at the tree nodes. The output equals vanilla greedy decoding
     token for token because every accepted token *is* the target's argmax after its prefix.
+
+    On the device, with no per-node work: a node matches when its token is the target's argmax at its parent and
+    no earlier sibling has the same token; it is accepted when it and all its ancestors match. Accepted nodes form
+    one chain from the root (siblings never both match), so the deepest one ends the path, and its ancestor row
+    is the path. One read brings the path, the tree's tokens and the bonus to the host.
     """
-    pred = logits.argmax(-1).tolist()  # (N,) target's choice after each node
-    tokens = tree.tokens.tolist()
-    kids = _children_lists(tree)
-    path, node = [0], 0
-    while True:
-        nxt = next((c for c in kids[node] if tokens[c] == pred[node]), None)
-        if nxt is None:
-            return path, pred[node]
-        path.append(nxt)
-        node = nxt
+    n = tree.size
+    tokens, parents = tree.tokens, tree.parents.to(tree.tokens.device)
+    pred = logits.argmax(-1).to(tokens.device)  # (N,) the target's choice after each node
+    idx = torch.arange(n, device=tokens.device)
+    same = (parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :])  # (N, N) twins
+    earlier_twin = (same & (idx[None, :] < idx[:, None])).any(-1)  # (N,)
+    match = (tokens == pred[parents.clamp(min=0)]) & ~earlier_twin
+    match[0] = True  # the root: the target's own token
+    mask = tree.mask.to(tokens.device)  # (N, N) ancestors or self
+    accepted = ~(mask & ~match[None, :]).any(-1)  # (N,) every ancestor-or-self matches
+    deepest = (accepted.long() * (tree.depths.to(tokens.device) + 1)).argmax()
+    host = torch.cat([mask[deepest].long(), pred[deepest, None], tokens]).tolist()  # the one host read
+    path = [i for i in range(n) if host[i]]  # ancestors of the deepest accepted node, in depth order
+    return Verdict(path, [host[n + 1 + i] for i in path], host[n])
 
 
 def verify_sampling(
@@ -44,7 +64,7 @@ def verify_sampling(
     logits: torch.Tensor,
     cfg: SamplingConfig,
     generator: torch.Generator | None,
-) -> tuple[list[int], int]:
+) -> Verdict:
     """Multi-candidate recursive rejection sampling down the tree (exactly the target's distribution).
 
     At a node with target distribution p (temperature/top-p applied as for vanilla sampling),
@@ -95,14 +115,14 @@ def verify_sampling(
                 p = p / p.sum()
         if accepted is None:
             bonus = int(torch.multinomial(p, 1, generator=generator))
-            return path, bonus
+            return Verdict(path, [tokens[i] for i in path], bonus)
         path.append(accepted)
         node = accepted
 
 
 def verify(
     tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
-) -> tuple[list[int], int]:
+) -> Verdict:
     if cfg.greedy:
         return verify_greedy(tree, logits)
     return verify_sampling(tree, logits, cfg, generator)

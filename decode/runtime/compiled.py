@@ -88,6 +88,7 @@ class StaticRunner:
         self.target = target
         self.limit = int(getattr(target.text_config, "max_position_embeddings", 0) or 1 << 20)
         self.max_len, self.cache = 0, None  # allocated by the first reset, at the size it asks for
+        self.length = 0  # committed entries, kept on the host (the cache's own counters live on the device)
         if mode is None:
             mode = "reduce-overhead" if target.device.type == "cuda" else None
         allow_many_graphs()
@@ -146,13 +147,15 @@ class StaticRunner:
         """Every layer's next write goes to position n (in place: the compiled graphs hold these addresses)."""
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(n)
+        self.length = n
 
-    def commit(self, past: int, src: torch.Tensor) -> None:
+    def commit(self, past: int, src: torch.Tensor, moved: bool = True) -> None:
         """Copy the cache entries at positions `src` (m,) to past..past+m-1 in every layer; the length becomes
-        past + m. Only the accepted path moves: a few rows per layer."""
+        past + m. Only the accepted path moves: a few rows per layer. moved: False when src already is
+        past..past+m-1 (the caller knows from its host-side path: nothing to copy, nothing read back)."""
         m = src.numel()
         dst = torch.arange(past, past + m, device=src.device)
-        if not bool((src == dst).all()):
+        if moved:
             for layer in self.cache.layers:
                 layer.keys.index_copy_(-2, dst, layer.keys.index_select(-2, src))
                 layer.values.index_copy_(-2, dst, layer.values.index_select(-2, src))

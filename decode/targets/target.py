@@ -177,7 +177,11 @@ class TargetModel:
         """Number of committed tokens in the KV cache (tentative tree tokens excluded)."""
         if self.cache is None:
             return 0
-        return self._tree[0] if self._tree is not None else int(self.cache.get_seq_length())
+        return self._tree[0] if self._tree is not None else self._cache_len()
+
+    def _cache_len(self) -> int:
+        """Committed entries, read on the host (a static cache counts them on the device: a sync to read)."""
+        return self.static.length if self.runtime == "compiled" else int(self.cache.get_seq_length())
 
     # ----------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -336,7 +340,7 @@ class TargetModel:
         if tree_mask.shape != (n, n):
             raise ValueError(f"tree_mask must be ({n}, {n}), got {tuple(tree_mask.shape)}")
         depths = depths_from_mask(tree_mask)
-        past = int(self.cache.get_seq_length())
+        past = self._cache_len()
         if self.runtime == "compiled":
             logits, hidden = self.static.forward_tree(tokens, tree_mask, depths, past, self._offset, feature_layers)
             self.cache = self.static.cache  # a new, larger one when this tree outgrew it
@@ -389,35 +393,36 @@ class TargetModel:
             k_depths.to(self.device), cache, self.seq_len, num_layers=num_layers,
         ).logits
 
-    def keep(self, indices: torch.Tensor | list[int]) -> None:
+    def keep(self, indices: list[int], checked: bool = True) -> None:
         """Commit the accepted root-to-node path of the last tree; drop every other tree entry.
 
         indices: tree indices in path order (depth 0, 1, ...); each must be the parent of the next.
+        checked: verify that they form such a path (reads the tree mask back: a host sync on a GPU; the loop
+        passes False for the path its verification just walked).
         """
         if self._tree is None:
             raise RuntimeError("keep() without a preceding forward_tree()")
         past, tree_mask = self._tree
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.device).reshape(-1)
+        indices = [int(i) for i in indices]
         n = tree_mask.shape[0]
-        if idx.numel() and (bool((idx < 0).any()) or bool((idx >= n).any())):
+        if any(not 0 <= i < n for i in indices):
             raise ValueError(f"keep indices must lie in [0, {n})")
-        # a path: node j has depth j (j ancestors + itself) and node j-1 among its ancestors
-        path_ok = all(
-            int(tree_mask[idx[j]].sum()) == j + 1 and (j == 0 or bool(tree_mask[idx[j], idx[j - 1]]))
-            for j in range(idx.numel())
-        )
-        if not path_ok:
-            raise ValueError("keep indices must form one root-to-node path of the last tree, in depth order")
+        idx = torch.tensor(indices, dtype=torch.long, device=self.device)
+        if checked:  # a path: node j has depth j (j ancestors + itself) and node j-1 among its ancestors
+            rows = tree_mask[idx].long()  # (m, N)
+            depth_ok = rows.sum(-1).tolist() == list(range(1, len(indices) + 1))
+            if not depth_ok or not all(bool(rows[j, indices[j - 1]]) for j in range(1, len(indices))):
+                raise ValueError("keep indices must form one root-to-node path of the last tree, in depth order")
         self._tree = None
         # only the tentative tail moves: the accepted entries are copied in place to past..past+m-1 (a few rows
         # per layer), then every layer is cut to a view of its first past+m entries. Re-indexing the whole
         # cache instead copied all committed KV of every layer each cycle: 4.7 ms against 1.4 ms per cycle for the
         # default target at context 480 on 2 CPU cores (a 58 ms step).
         m, src = idx.numel(), past + idx
+        moved = indices != list(range(m))
         if self.runtime == "compiled":
-            self.static.commit(past, src)
+            self.static.commit(past, src, moved)
             return
-        moved = not bool((idx == torch.arange(m, device=self.device)).all())
         if not moved and m == n:
             return  # the whole tree was a chain and all of it is accepted
         for layer in self.cache.layers:
