@@ -38,7 +38,7 @@ def test_graft_merges_shared_prefixes_and_keeps_both_trees_whole():
     assert paths(base) | paths(extra) == paths(got)
     assert graft(base, _tree([9, 2], [-1, 0])) is base  # nothing new: the same tree
     with pytest.raises(ValueError):
-        graft(base, _tree([8], [-1]))
+        graft(base, _tree([8, 1], [-1, 0]))  # another root (checked when there is something to add)
 
 
 def test_lookup_prefers_the_match_whose_continuation_is_full_length():

@@ -60,7 +60,7 @@ class LookupSpec:
 
 def trie(root: int, conts: list[list[int]], total_tokens: int) -> DraftTree:
     """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes."""
-    tokens, parents = [root], [-1]
+    tokens, parents, depths = [root], [-1], [0]
     child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     for cont in conts:
         node = 0
@@ -70,9 +70,10 @@ def trie(root: int, conts: list[list[int]], total_tokens: int) -> DraftTree:
                     break
                 tokens.append(tok)
                 parents.append(node)
+                depths.append(depths[node] + 1)
                 child[(node, tok)] = len(tokens) - 1
             node = child[(node, tok)]
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=max(depths))
 
 
 class NgramIndex:

@@ -271,12 +271,15 @@ def graft(base: DraftTree, extra: DraftTree) -> DraftTree:
     """
     if base.sampled or extra.sampled:
         raise UserError("sampled candidates cannot be merged with other drafts' nodes; use --candidates topk")
-    if int(base.tokens[0]) != int(extra.tokens[0]):
+    if extra.size == 1:  # nothing to add (a lookup without a match): no need to read the base tree back
+        return base
+    extra_tokens, extra_parents = extra.tokens.tolist(), extra.parents.tolist()
+    tokens, parents = torch.stack([base.tokens, base.parents.to(base.tokens.device)]).tolist()  # one read
+    if tokens[0] != extra_tokens[0]:
         raise ValueError("graft needs two trees over the same root token")
-    tokens, parents = base.tokens.tolist(), base.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
     where = {0: 0}  # extra's node id -> merged node id
-    for i, (p, t) in enumerate(zip(extra.parents.tolist(), extra.tokens.tolist())):
+    for i, (p, t) in enumerate(zip(extra_parents, extra_tokens)):
         if p < 0:
             continue
         key = (where[p], t)
@@ -287,4 +290,5 @@ def graft(base: DraftTree, extra: DraftTree) -> DraftTree:
         where[i] = child[key]
     if len(tokens) == base.size:
         return base
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    depth = None if base.depth is None or extra.depth is None else max(base.depth, extra.depth)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
