@@ -56,6 +56,10 @@ class _Probe:
         for name in ("forward", "logits", "project_features"):  # instance attributes shadow the methods
             setattr(self.model, name, self._timed(getattr(self.model, name)))
         self.draft = NeuralDraft(self.model, name="overhead-probe")
+        # eager levels on every runtime: the component tables are measured eagerly, and the timing wrappers cannot
+        # run inside a compiled level graph (dynamo broke the graph at each and recompiled `wrapper` for every
+        # probe until its limit: 4.5-8.8 ms of "overhead" per cycle on the compiled runtime against 0.2 eager)
+        self.draft.compile_levels = False
         self.draft.start(target, prompt, pre)
         self.policy = TreePolicy(spec=arch.tree)
         self.root = int(pre.logits[-1].argmax())

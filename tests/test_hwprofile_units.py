@@ -232,7 +232,7 @@ def test_small_verifies_are_timed_apart_from_large_ones(monkeypatch):
     are timed among themselves, the large verifies in their own round-robin, and every case is timed once."""
     from hwprofile import bench_target
     from hwprofile.config import Grids
-    from hwprofile.timing import Stat, Timer
+    from hwprofile.timing import Timer
 
     target = tiny_target("tiny-llama")
     groups = []
@@ -250,3 +250,34 @@ def test_small_verifies_are_timed_apart_from_large_ones(monkeypatch):
     assert sorted(small + large) == sorted([("step", c) for c in (16, 32)] + [
         ("verify", n, c) for c in (16, 32) for n in (1, 2, 8, 9, 32)])
     assert set(tables["verify"].ms) == {(n, c) for c in (16, 32) for n in (1, 2, 8, 9, 32)}
+
+
+def test_overhead_probe_on_the_compiled_runtime_compiles_nothing():
+    """The probe's timed component wrappers must run eagerly: inside a compiled level graph dynamo recompiled them
+    per probe, and the compiled profile priced 4.5 ms of bogus overhead per cycle (0.2 ms eager)."""
+    from conftest import single_thread, tiny_target
+
+    from decode.runtime.compiled import graph_count
+    from decode.space import SearchSpace
+    from hwprofile.bench_overhead import _Probe, probe_arch
+    from hwprofile.cycle import synthetic_prompt
+    from hwprofile.tables import Table
+    from hwprofile.timing import Timer
+
+    target = tiny_target("tiny-llama")
+    scorer = Table(("n",))
+    for n in (1, 2):
+        scorer.put((n,), 0.0)
+    with single_thread():
+        try:
+            target.use_runtime("compiled")
+            prompt = synthetic_prompt(target, 32)
+            pre = target.prefill(prompt, feature_layers=(-1,))
+            before = graph_count()
+            probe = _Probe(target, probe_arch(SearchSpace.load("tiny"), 2, 2), prompt, pre, Timer(target.device), scorer)
+            for _ in range(3):
+                probe.overhead_ms()
+        finally:
+            target.use_runtime("eager")
+    assert graph_count() == before
+    assert probe.inside_ms > 0  # the components were timed in place
