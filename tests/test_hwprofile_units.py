@@ -232,7 +232,7 @@ def test_small_verifies_are_timed_apart_from_large_ones(monkeypatch):
     are timed among themselves, the large verifies in their own round-robin, and every case is timed once."""
     from hwprofile import bench_target
     from hwprofile.config import Grids
-    from hwprofile.timing import Timer
+    from hwprofile.timing import Stat, Timer
 
     target = tiny_target("tiny-llama")
     groups = []
