@@ -135,3 +135,13 @@ def test_device_greedy_verification_equals_the_walk(seed):
     path, bonus = _walk(tree, logits)
     assert (verdict.path, verdict.bonus) == (path, bonus)
     assert verdict.tokens == tree.tokens[path].tolist()
+
+
+def test_vanilla_steps_read_the_host_once():
+    """The baseline must not carry reads the speculative loop shed: one per token (the greedy choice)."""
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target, TEXT)
+    vanilla_generate(target, prompt, 4)
+    with HostReads() as reads:
+        res = vanilla_generate(target, prompt, N)
+    assert reads.total <= len(res.tokens) + 2, reads.sites.most_common(8)

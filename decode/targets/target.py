@@ -435,8 +435,10 @@ class TargetModel:
     @torch.no_grad()
     def step(self, token: int, feature_layers: tuple[int, ...] = ()) -> TreeOutput:
         """Append one token and return its next-token logits (1, V): a one-node tree, kept."""
-        out = self.forward_tree(torch.tensor([token]), torch.tensor([-1]), feature_layers=feature_layers)
-        self.keep([0])
+        # a one-node tree needs no parent validation or path check: both would read the device back every step
+        one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        out = self.forward_tree(torch.tensor([token]), tree_mask=one, feature_layers=feature_layers)
+        self.keep([0], checked=False)
         return out
 
 
