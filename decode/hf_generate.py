@@ -27,6 +27,7 @@ from decode.errors import UserError
 from decode.loop.vanilla import GenerationResult, sync_device
 from decode.prompt import Prompt
 from decode.runtime.compiled import cache_len
+from decode.targets.compat import cache_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def hf_generate(target, prompt: Prompt, max_new_tokens: int, spec: HFSpec) -> Ge
     if spec.lookup_tokens:
         kwargs.update(prompt_lookup_num_tokens=spec.lookup_tokens, max_matching_ngram_size=spec.max_ngram)
     if spec.compiled:
-        kwargs.update(cache=_static_cache(target, prompt.length + max_new_tokens),
+        kwargs.update(**cache_kwargs(target.model, _static_cache(target, prompt.length + max_new_tokens)),
                       compile_config=_compile_config(target.device))
     sync_device(target.device)
     t0 = time.perf_counter()

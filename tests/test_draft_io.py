@@ -63,6 +63,29 @@ def test_loading_onto_another_target_is_a_clear_error(tmp_path):
         DraftModel.from_pretrained(tmp_path / "d", other)
 
 
+def test_a_config_that_serialises_differently_loads_with_a_warning(tmp_path, caplog):
+    """Another transformers release (5.17 against 5.25) writes the same target config with other defaults: only
+    the config hash differs, the sizes and weights digest match, so the draft loads (with a warning) and decodes
+    exactly as before; a different weights digest stays an error."""
+    target = tiny_target("tiny-llama")
+    model = DraftModel(random_arch(target), TargetDims.of(target)).attach(target)
+    model.save_pretrained(tmp_path / "d", target)
+    cfg_file = tmp_path / "d" / "draft_config.json"
+    config = json.loads(cfg_file.read_text())
+    config["target"]["config_hash"] = "0" * 16
+    cfg_file.write_text(json.dumps(config))
+    with caplog.at_level("WARNING"):
+        loaded = DraftModel.from_pretrained(tmp_path / "d", target)
+    assert "serialises differently" in caplog.text
+    prompt = tiny_prompt(target)
+    a = speculative_generate(target, NeuralDraft(model), prompt, 8)
+    assert speculative_generate(target, NeuralDraft(loaded), prompt, 8).tokens == a.tokens
+    config["target"]["weights_digest"] = "0" * 16
+    cfg_file.write_text(json.dumps(config))
+    with pytest.raises(UserError, match="weights_digest"):
+        DraftModel.from_pretrained(tmp_path / "d", target)
+
+
 def test_corrupted_or_missing_checkpoint(tmp_path):
     target = tiny_target("tiny-llama")
     with pytest.raises(UserError, match="not a draft checkpoint"):

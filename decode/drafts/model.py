@@ -261,12 +261,15 @@ class DraftModel(nn.Module):
         wrong = [k for k in ("arch", "dims", "target") if not isinstance(config[k], dict)]
         if wrong:
             raise UserError(f"{cfg_file}: {', '.join(repr(k) for k in wrong)} must be JSON objects; re-export the draft")
-        want = config["target"]
-        have = target.fingerprint().to_dict()
-        if want != have:
-            diff = ", ".join(f"{k}: draft {want.get(k)!r} vs target {have.get(k)!r}" for k in have if want.get(k) != have.get(k))
+        from decode.targets.target import fingerprint_diff  # here: decode.targets imports the drafts' package
+
+        diff, fatal = fingerprint_diff(config["target"], target.fingerprint().to_dict())
+        if fatal:
             raise UserError(f"draft '{directory}' was made for target '{config.get('target_name')}', "
-                            f"not '{target.name}' ({diff}); pass the matching --target")
+                            f"not '{target.name}' ({diff}; draft vs target); pass the matching --target")
+        if diff:
+            logger.warning("draft '%s': the target's config serialises differently here (%s; draft vs target: "
+                           "another transformers release?); its sizes and weights match, loading it", directory, diff)
         try:
             arch, dims = DraftArch.from_dict(config["arch"]), TargetDims(**config["dims"])
         except (TypeError, ValueError, AttributeError, UserError) as err:

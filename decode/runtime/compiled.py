@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from decode.errors import UserError
 from decode.runtime.small_rows import measure_linears
 from decode.targets.capture import register_capture
+from decode.targets.compat import cache_arg
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class StaticRunner:
         allow_many_graphs()
         self._compiled = torch.compile(self._forward, dynamic=False, mode=mode)
         self._graphs = mode == "reduce-overhead"  # CUDA graphs: outputs live in buffers the next replay overwrites
+        self._cache_arg = cache_arg(target.decoder)  # `cache` or `past_key_values` (decode/targets/compat.py)
         # hidden-state hooks stay registered between calls (registering them inside the compiled function would
         # break its graph; new hooks on every call would recompile it): re-registered only when the layers change
         self._store: dict[int, torch.Tensor] = {}
@@ -184,8 +186,8 @@ class StaticRunner:
     # ------------------------------------------------------------------ forward
     def _forward(self, tokens: torch.Tensor, mask, positions: torch.Tensor, feature_layers: tuple[int, ...]):
         t = self.target
-        out = t.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache,
-                        use_cache=True)
+        out = t.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                        **{self._cache_arg: self.cache}, use_cache=True)
         # popped, not read: the store is empty whenever the graph starts (its guards check that dict)
         return t._head(out.last_hidden_state[0]), {k: self._store.pop(k)[0] for k in feature_layers}
 

@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicLayer
 from decode.loop.tree_mask import additive_mask, ancestor_mask, depths_from_mask, tree_attention_allowed
 from decode.prompt import Prompt, build_prompt
 from decode.targets.capture import capture_hidden
+from decode.targets.compat import cache_kwargs
 from decode.targets.families import FamilySpec
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,18 @@ class Fingerprint:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+SOFT_FINGERPRINT_KEYS = ("config_hash",)  # another transformers release serialises the same config with other defaults
+
+
+def fingerprint_diff(want: dict, have: dict) -> tuple[str, bool]:
+    """("key: want vs have, ..." for every differing key, fatal). Not fatal when only SOFT_FINGERPRINT_KEYS differ:
+    the family, sizes and weights digest still match (transformers 5.17 adds a top-level pad_token_id to the
+    default target's config that 5.25 leaves out). A wrong draft can only cost speed, never a token."""
+    keys = [k for k in dict.fromkeys([*have, *want]) if want.get(k) != have.get(k)]
+    text = ", ".join(f"{k}: {want.get(k)!r} vs {have.get(k)!r}" for k in keys)
+    return text, any(k not in SOFT_FINGERPRINT_KEYS for k in keys)
 
 
 @dataclass
@@ -212,7 +225,7 @@ class TargetModel:
             with capture_hidden(self.decoder, feature_layers, self.num_layers) as store:
                 out = self.model(
                     **inputs,
-                    cache=self.cache,
+                    **cache_kwargs(self.model, self.cache),
                     use_cache=True,
                     output_attentions=attention_stats,
                     logits_to_keep=0 if all_logits else 1,
@@ -287,7 +300,7 @@ class TargetModel:
                     input_ids=tokens[None],
                     attention_mask=self._masks(tent_mask, q_depths, k_depths, past_len),
                     position_ids=positions,
-                    cache=cache,
+                    **cache_kwargs(self.decoder, cache),
                     use_cache=True,
                 )
         finally:
