@@ -68,7 +68,7 @@ def speculative_generate(
     sync_device(target.device)  # GPU work queued before this call must not be timed as this prefill
     t0 = time.perf_counter()
     pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.prefill_stats(prompt),
-                         reserve=max_new_tokens + bucket(draft.max_nodes(policy)))
+                         reserve=max_new_tokens + bucket(draft.max_nodes(policy), target.device.type))
     root = sample_token(pre.logits[-1], sampling, gen)
     sync_device(target.device)
     t1 = time.perf_counter()

@@ -45,15 +45,26 @@ GRAIN = 128  # the static cache's length is a multiple of this
 # step, run as 5 rows 0.99x, on a 2-core AMD EPYC (benchmarks/results/runtime-verify-ab-cpu.json); 6-7 rows cost
 # as much as 8 there, so they stay padded
 BUCKETS = (1, 2, 4, 5, 8, 16, 32, 64, 128)
+# On a GPU a tree forward of this target is launch-bound far beyond 64 tokens (H200, eager: 24.6 ms at 1 token,
+# 26.5-28.7 ms at every size from 2 to 128; profiles/h200-smolvlm-135m.json), so padding costs next to nothing there,
+# while every bucket is one more CUDA-graph compilation at start-up: measured on an H200 (torch 2.11), compiling the
+# 7 buckets and 12 draft-level graphs of a 2x8/32 + lookup design took over 2 minutes. Two buckets cover its trees.
+CUDA_BUCKETS = (1, 64, 128)
 RECOMPILE_LIMIT = 256
 
 
-def bucket(n: int) -> int:
-    """The padded size of an n-node tree: the smallest bucket >= n (then multiples of 128)."""
-    for b in BUCKETS:
+def buckets(device_type: str = "cpu") -> tuple[int, ...]:
+    """The tree sizes the compiled runtime pads to on a device type ("cpu", "cuda", ...)."""
+    return CUDA_BUCKETS if device_type == "cuda" else BUCKETS
+
+
+def bucket(n: int, device_type: str = "cpu") -> int:
+    """The padded size of an n-node tree on a device type: the smallest bucket >= n (then multiples of 128)."""
+    sizes = buckets(device_type)
+    for b in sizes:
         if n <= b:
             return b
-    return -(-n // BUCKETS[-1]) * BUCKETS[-1]
+    return -(-n // sizes[-1]) * sizes[-1]
 
 
 def cache_len(needed: int) -> int:
@@ -172,8 +183,9 @@ class StaticRunner:
         """Compile every bucket up to bucket(up_to) now, so that no tree size met later compiles in a timed run:
         dummy chains written after the `past` committed entries (a prefilled cache) and dropped. -> the buckets."""
         done = []
-        for b in BUCKETS:
-            if b > bucket(up_to) or past + b > self.max_len:
+        kind = self.target.device.type
+        for b in buckets(kind):
+            if b > bucket(up_to, kind) or past + b > self.max_len:
                 break
             dev = self.target.device
             chain = torch.ones(b, b, dtype=torch.bool, device=dev).tril()
@@ -197,7 +209,7 @@ class StaticRunner:
         ((N, V) logits, {layer: (N, H)}), through the compiled graph of N's bucket."""
         t = self.target
         n = tokens.numel()
-        b = bucket(n)
+        b = bucket(n, t.device.type)
         if past + b > self.max_len:
             if past + b > self.limit:
                 raise UserError(f"this generation needs {past + b} positions and {t.name} holds {self.limit}; "

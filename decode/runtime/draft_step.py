@@ -37,11 +37,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32)
+CUDA_DRAFT_BUCKETS = (1, 8, 32)  # launch-bound levels on a GPU: fewer CUDA graphs to build (decode/runtime/compiled.py)
 
 
-def draft_bucket(n: int) -> int | None:
+def draft_buckets(device_type: str = "cpu") -> tuple[int, ...]:
+    """The level row counts compiled on a device type; both end at DRAFT_BUCKETS[-1] (larger levels run eagerly)."""
+    return CUDA_DRAFT_BUCKETS if device_type == "cuda" else DRAFT_BUCKETS
+
+
+def draft_bucket(n: int, device_type: str = "cpu") -> int | None:
     """The padded row count of an n-row level, None when it is larger than every bucket (runs eagerly)."""
-    return next((b for b in DRAFT_BUCKETS if n <= b), None)
+    return next((b for b in draft_buckets(device_type) if n <= b), None)
 
 
 class _Frame:
@@ -61,6 +67,7 @@ class DraftStepRunner:
     def __init__(self, model: "DraftModel", device: torch.device):
         self.model = model
         mode = "reduce-overhead" if device.type == "cuda" else None
+        self.kind = device.type  # bucket sizes per device type
         allow_many_graphs()
         self._compiled = torch.compile(self._level, dynamic=False, mode=mode)
         self._graphs = mode == "reduce-overhead"  # CUDA graphs: outputs live in buffers the next replay overwrites
@@ -83,7 +90,7 @@ class DraftStepRunner:
         return list(cache.k), list(cache.v), mem_ks, mem_vs, cache.mem_pos_buf if uses_cross else None
 
     def usable(self, n: int, cache: StaticDraftKV) -> bool:
-        return (draft_bucket(n) is not None and cache.ready
+        return (draft_bucket(n, self.kind) is not None and cache.ready
                 and (not self.model.uses_cross or cache.has_memory()))
 
     def _measure(self, b: int) -> None:
@@ -107,7 +114,7 @@ class DraftStepRunner:
             hidden = self.model(tokens, g, positions, allowed, cache)
             return hidden, self.model.logits(hidden[-1:] if last_only else hidden)
         self.calls["compiled"] += 1
-        b = draft_bucket(n)
+        b = draft_bucket(n, self.kind)
         length = cache.length
         if length + b > cache.capacity:
             logger.warning("compiled draft: %d entries outgrow its buffers of %d: larger ones (recompiles)",
@@ -141,9 +148,9 @@ class DraftStepRunner:
             return []
         done = []
         dev = cache.k[0].device
-        top = draft_bucket(min(widest, DRAFT_BUCKETS[-1]))
-        top_root = draft_bucket(min(max(widest, root_rows), DRAFT_BUCKETS[-1]))
-        for b in DRAFT_BUCKETS:
+        top = draft_bucket(min(widest, DRAFT_BUCKETS[-1]), self.kind)
+        top_root = draft_bucket(min(max(widest, root_rows), DRAFT_BUCKETS[-1]), self.kind)
+        for b in draft_buckets(self.kind):
             if b > top_root:
                 break
             self._measure(b)
