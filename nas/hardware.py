@@ -21,6 +21,7 @@ from pathlib import Path
 
 from decode.errors import UserError
 from decode.runtime.small_rows import linear_kernels
+from decode.targets.compat import fingerprint_diff
 from decode.targets.loader import pick_device
 from decode.targets.target import TargetModel
 from hwprofile.device import DeviceInfo, local_device, other_machine
@@ -74,10 +75,9 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
 
 
 def check_profile(profile: Profile, path: Path, target: TargetModel, hardware: str | None) -> None:
-    have = target.fingerprint().to_dict()
-    theirs = profile.target.get("fingerprint", {})
-    if theirs != have:
-        diff = ", ".join(f"{k} {theirs.get(k)!r} vs {have.get(k)!r}" for k in have if theirs.get(k) != have.get(k))
+    # strict, config hash included: a profile times one software stack, not only one target (decode/targets/compat.py)
+    diff, _ = fingerprint_diff(profile.target.get("fingerprint", {}), target.fingerprint().to_dict())
+    if diff:
         raise UserError(f"profile {path} is for target '{profile.target_name}', not '{target.name}' ({diff}); "
                         "profile this target with python -m hwprofile.profile")
     if hardware is not None and profile.hardware != hardware:

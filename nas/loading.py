@@ -18,6 +18,7 @@ import torch
 from decode.drafts.model import TargetDims
 from decode.errors import UserError
 from decode.space import TREE_FIELDS, SearchSpace
+from decode.targets.compat import check_fingerprint
 from decode.targets.target import TargetModel
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
@@ -52,10 +53,8 @@ def load_supernet(path: str | Path, target: TargetModel) -> tuple[DraftSupernet,
     """
     directory = checkpoint_dir(path)
     state = ckpt.read_state(directory)
-    have = target.fingerprint().to_dict()
-    if state["target"] != have:
-        diff = ", ".join(f"{k} {state['target'].get(k)!r} vs {have.get(k)!r}" for k in have
-                         if state["target"].get(k) != have.get(k))
+    diff = check_fingerprint(state["target"], target.fingerprint().to_dict(), f"supernet '{path}'")
+    if diff:
         raise UserError(f"supernet '{path}' was trained for target '{state.get('target_name')}', not '{target.name}' "
                         f"({diff}); pass the matching --target or another --supernet")
     space = space_from_dict(state["space"])

@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from decode.errors import UserError
+from decode.targets.compat import check_fingerprint
 
 
 @contextlib.contextmanager
@@ -161,7 +162,7 @@ def check_target(manifest: dict, fingerprint: dict, target_name: str, directory:
     """One-line UserError when a data directory was made for another target; `hint`: what the caller's user
     can do about it (supernet.data: write elsewhere; a reader such as supernet.train: pass the right target)."""
     theirs = manifest.get("target", {})
-    if theirs.get("fingerprint") != fingerprint:
+    if check_fingerprint(theirs.get("fingerprint") or {}, fingerprint, f"data {directory}"):
         def show(fp: dict) -> str:
             return f"{fp.get('family')}, {fp.get('num_layers')} layers, config {fp.get('config_hash')}, " \
                    f"weights {fp.get('weights_digest')}"

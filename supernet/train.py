@@ -43,6 +43,7 @@ from decode.drafts.model import TargetDims
 from decode.errors import UserError
 from decode.paths import writable_dir
 from decode.space import SearchSpace, default_space_name, weights_part
+from decode.targets.compat import check_fingerprint
 from decode.targets.loader import load_target
 from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
@@ -235,7 +236,7 @@ def train(cfg: TrainConfig) -> Path:
         state = ckpt.read_state(ck_dir)
         if weights_part(state["space"]) != space.weights_dict():  # other tree choices alone train the same weights
             raise UserError(f"checkpoint in '{ck_dir}' was trained on another search space; pass the same --space")
-        if state["target"] != target.fingerprint().to_dict():
+        if check_fingerprint(state["target"], target.fingerprint().to_dict(), f"checkpoint in '{ck_dir}'"):
             raise UserError(f"checkpoint in '{ck_dir}' belongs to target '{state.get('target_name')}', not '{target.name}'")
     reduced = [v for v in space.draft_vocab if v is not None]
     hot = data.hot_tokens(max(reduced)) if reduced else None

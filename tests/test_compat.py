@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_prompt, tiny_target
 
 from decode.loop.vanilla import vanilla_generate
-from decode.targets.compat import cache_arg, cache_kwargs
+from decode.targets.compat import cache_arg, cache_kwargs, check_fingerprint
 
 
 class _Old(torch.nn.Module):
@@ -44,3 +44,16 @@ def test_vanilla_decoding_uses_its_cache_like_hf_generate():
     ref = target.model.generate(**inputs, max_new_tokens=12, do_sample=False, min_new_tokens=12)
     ours = vanilla_generate(target, prompt, 12).tokens
     assert ours == ref[0, prompt.length:].tolist()[: len(ours)] and len(ours) >= 6
+
+
+def test_a_fingerprint_differing_only_in_its_config_hash_passes_with_a_warning(caplog):
+    here = {"family": "llama", "hidden_size": 64, "num_layers": 2, "vocab_size": 100, "config_hash": "a" * 16,
+            "weights_digest": "b" * 16}
+    assert check_fingerprint(dict(here), here, "draft d") is None and not caplog.text
+    with caplog.at_level("WARNING"):
+        assert check_fingerprint({**here, "config_hash": "c" * 16}, here, "draft d") is None
+    assert "draft d" in caplog.text and "serialises differently" in caplog.text
+    for key, value in (("weights_digest", "d" * 16), ("num_layers", 3), ("family", "qwen2")):
+        diff = check_fingerprint({**here, key: value, "config_hash": "c" * 16}, here, "draft d")
+        assert diff is not None and key in diff and "config_hash" in diff
+    assert check_fingerprint({}, here, "data x") is not None  # an artifact with no fingerprint fits nothing

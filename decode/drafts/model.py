@@ -30,6 +30,7 @@ from decode.arch import DraftArch
 from decode.drafts.blocks import DraftKV, DraftLayer, RMSNorm
 from decode.errors import UserError
 from decode.runtime.small_rows import linear
+from decode.targets.compat import check_fingerprint
 
 if TYPE_CHECKING:
     from decode.targets.target import TargetModel
@@ -261,15 +262,10 @@ class DraftModel(nn.Module):
         wrong = [k for k in ("arch", "dims", "target") if not isinstance(config[k], dict)]
         if wrong:
             raise UserError(f"{cfg_file}: {', '.join(repr(k) for k in wrong)} must be JSON objects; re-export the draft")
-        from decode.targets.target import fingerprint_diff  # here: decode.targets imports the drafts' package
-
-        diff, fatal = fingerprint_diff(config["target"], target.fingerprint().to_dict())
-        if fatal:
+        diff = check_fingerprint(config["target"], target.fingerprint().to_dict(), f"draft '{directory}'")
+        if diff:
             raise UserError(f"draft '{directory}' was made for target '{config.get('target_name')}', "
                             f"not '{target.name}' ({diff}; draft vs target); pass the matching --target")
-        if diff:
-            logger.warning("draft '%s': the target's config serialises differently here (%s; draft vs target: "
-                           "another transformers release?); its sizes and weights match, loading it", directory, diff)
         try:
             arch, dims = DraftArch.from_dict(config["arch"]), TargetDims(**config["dims"])
         except (TypeError, ValueError, AttributeError, UserError) as err:

@@ -59,18 +59,6 @@ class Fingerprint:
         return asdict(self)
 
 
-SOFT_FINGERPRINT_KEYS = ("config_hash",)  # another transformers release serialises the same config with other defaults
-
-
-def fingerprint_diff(want: dict, have: dict) -> tuple[str, bool]:
-    """("key: want vs have, ..." for every differing key, fatal). Not fatal when only SOFT_FINGERPRINT_KEYS differ:
-    the family, sizes and weights digest still match (transformers 5.17 adds a top-level pad_token_id to the
-    default target's config that 5.25 leaves out). A wrong draft can only cost speed, never a token."""
-    keys = [k for k in dict.fromkeys([*have, *want]) if want.get(k) != have.get(k)]
-    text = ", ".join(f"{k}: {want.get(k)!r} vs {have.get(k)!r}" for k in keys)
-    return text, any(k not in SOFT_FINGERPRINT_KEYS for k in keys)
-
-
 @dataclass
 class PrefillOutput:
     logits: torch.Tensor  # (T, V) fp32 with all_logits, else (1, V) for the last prompt token
