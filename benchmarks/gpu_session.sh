@@ -26,6 +26,10 @@
 #   BIG_TREE   "depth top_k total": also a bench of DRAFTS with that tree (on BIG_RUNTIMES, default compiled)
 #   FP32=1     also an fp32 bench of DRAFTS and prompt lookup (eager)
 #   BENCH_S, PROFILE_S, VALIDATE_S  time limits of those stages in seconds (defaults 270, 200, 100)
+#   VALIDATE_SAMPLES  (arch, tree) samples of the validation (default 12; on the compiled runtime each sample
+#              compiles its own draft's level graphs)
+#   SKIP       stage names not to run (space-separated, e.g. "profile validate"): one session split over two
+#              device calls, the second with SKIP="sanity-vanilla bench" (the machine stays warm in between)
 #   QUICK=1    CPU dry run of the script itself: --quick profile, 2 validate samples, tiny benches
 #              (PROMPTS sharegpt:2,images:1, TOKENS 8, REPEATS 1 unless given); tests/test_gpu_session.py
 #              runs it so, every stage on, on a tiny target in CI
@@ -64,6 +68,11 @@ export PYTHONUNBUFFERED=1
 stage() {  # stage NAME SECONDS CMD...: run CMD with a time limit, log it, never abort the script
   local name=$1 limit=$2
   shift 2
+  case " ${SKIP:-} " in *" $name "*)
+    echo "=== [$(date +%T)] $name: skipped (SKIP)" | tee -a "$LOG"
+    last_rc=0
+    return;;
+  esac
   echo "=== [$(date +%T)] $name: $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
@@ -78,7 +87,7 @@ first=${DRAFTS%% *}
 exclude_args=()
 if [ -n "${EXCLUDE:-}" ]; then exclude_args=(--exclude-data "$EXCLUDE"); fi
 profile_args=()
-validate_args=(--samples 12 --cycles 4)
+validate_args=(--samples "${VALIDATE_SAMPLES:-12}" --cycles 4)
 if [ "${QUICK:-0}" = 1 ]; then
   profile_args=(--quick)
   validate_args=(--samples 2 --cycles 2 --passes 1 --prompts fixed)

@@ -85,8 +85,12 @@ def default_grids(device_kind: str, space: SearchSpace, quick: bool = False) -> 
                      widths=tuple(sorted({1, 2} | set(space.top_k))), default_context=32,
                      components=TimingConfig(warmup=1, repeats=3), target=TimingConfig(warmup=1, repeats=3),
                      prefill=TimingConfig(warmup=0, repeats=2, trim=0.0))
-    if device_kind == "cuda":  # verify is launch-bound up to a few hundred tokens: measure far
-        return Grids(contexts=(128, 512, 1024, 2048), verify_tokens=tuple(sorted(_powers_of_two(256) | tree_sizes)),
+    # powers of two up to the first that holds the space's largest tree (64 for the default spaces' 61 tokens)
+    limit = 1 << max(3, (max(tree_sizes) - 1).bit_length())
+    if device_kind == "cuda":  # verify is launch-bound up to a few hundred tokens, so sizes past the space's largest
+        # tree tell the search nothing, and on the compiled runtime each bucket beyond it (128, 256) cost one more
+        # CUDA-graph build of the whole target, about 40 s on an H200
+        return Grids(contexts=(128, 512, 1024, 2048), verify_tokens=tuple(sorted(_powers_of_two(limit) | tree_sizes)),
                      widths=widths, default_context=512,
                      components=TimingConfig(warmup=5, repeats=20), target=TimingConfig(warmup=3, repeats=15),
                      prefill=TimingConfig(warmup=2, repeats=5))
@@ -95,7 +99,6 @@ def default_grids(device_kind: str, space: SearchSpace, quick: bool = False) -> 
     # two up to the first that holds the space's largest tree (cost is near linear in N there: the measured 37-,
     # 53- and 61-token points were within 5% of the 32-64 line, and they and a 128-token point cost a third of
     # the profile's time)
-    limit = 1 << max(3, (max(tree_sizes) - 1).bit_length())
     verify = _powers_of_two(limit) | {n for n in tree_sizes if n <= 32}
     return Grids(contexts=(64, 256, 512, 1024), verify_tokens=tuple(sorted(verify)),
                  widths=widths, default_context=512, target=TimingConfig(warmup=1, repeats=7))

@@ -48,3 +48,18 @@ def test_gpu_session_script_runs_quick_on_a_cpu(tmp_path):
     assert all(r["identical_rate"] == 1.0 for name, r in rows.items() if name != "vanilla")
     profile = json.loads((res / "cpu-tiny-llava-eager.json").read_text())
     assert profile["runtime"] == "eager"
+
+
+def test_gpu_session_skips_the_stages_named_in_skip(tmp_path):
+    """One session split over two device calls: the stages in SKIP do not run (and leave nothing), the rest do."""
+    res = tmp_path / "res"
+    skip = [s for s in STAGES if s != "sanity-vanilla"]
+    env = {**os.environ, "QUICK": "1", "TARGET": "tiny-llama", "HW": "cpu", "RES": str(res), "PY": sys.executable,
+           "PROFILE_RUNTIME": "eager", "SKIP": " ".join(skip)}
+    run = subprocess.run(["bash", "benchmarks/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    log = (res / "session.log").read_text()
+    assert run.returncode == 0, run.stderr
+    assert dict(re.findall(r"\] ([\w-]+): rc=(\d+) after", log)) == {"sanity-vanilla": "0"}, log[-2000:]
+    assert set(re.findall(r"\] ([\w-]+): skipped \(SKIP\)", log)) == {"bench", "profile"}  # validate needs a profile
+    assert not list(res.glob("*.json"))

@@ -223,7 +223,9 @@ def test_cpu_grid_measures_small_trees_exactly_and_interpolates_large_ones(space
     assert {n for n in sizes if n <= 32} <= grid
     assert max(grid) >= max(sizes) and max(grid) < 2 * max(sizes)
     assert all(n <= 32 or n & (n - 1) == 0 for n in grid)  # above 32: powers of two only
-    assert sizes <= set(default_grids("cuda", space).verify_tokens)  # GPUs keep every tree size
+    cuda = set(default_grids("cuda", space).verify_tokens)
+    assert sizes <= cuda  # GPUs keep every tree size
+    assert max(cuda) < 2 * max(sizes)  # and no compiled-runtime bucket beyond the one that holds the largest tree
 
 
 def test_small_verifies_are_timed_apart_from_large_ones(monkeypatch):
