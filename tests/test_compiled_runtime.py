@@ -291,3 +291,23 @@ def test_merged_switch_draft_does_not_recompile_after_a_run_of_lookup_only_cycle
     assert res.tokens == ref
     assert rows[0] > 32 and max(rows[1:]) > 16, rows  # the prompt (eager), then a root level past bucket 16
     assert graph_count() == before
+
+
+def test_gpu_buckets_pad_far_and_change_no_token(monkeypatch):
+    """A GPU pads every tree of 2-64 nodes to 64 and draft levels to 8 or 32 rows (decode/runtime/compiled.py):
+    forced here on the CPU, the neural and merged drafts with mostly dummy nodes still decode vanilla's tokens."""
+    from decode.runtime import compiled, draft_step
+
+    monkeypatch.setattr(compiled, "buckets", lambda device_type="cpu": compiled.CUDA_BUCKETS)
+    monkeypatch.setattr(draft_step, "draft_buckets", lambda device_type="cpu": draft_step.CUDA_DRAFT_BUCKETS)
+    target = tiny_target("tiny-llava")
+    prompt = tiny_prompt(target, TEXT)
+    with single_thread():
+        ref = vanilla_generate(target, prompt, 24).tokens
+        target.use_runtime("compiled")
+        sizes = []
+        for label, draft, policy in [d for d in _drafts(target) if d[0].startswith("neural")]:
+            res = speculative_generate(target, draft, prompt, 24, policy=policy)
+            assert res.tokens == ref, label
+            sizes += res.tree_sizes
+    assert {bucket(n) for n in sizes if n > 1} == {64} and min(sizes) < 16  # one graph, padded by 48+ dummies
