@@ -1,55 +1,56 @@
-"""A/B of the target's decoding step and tree-verification cost under three rules for its few-row CPU linear
+"""A/B of the target's decoding step and tree-verification cost under four rules for its few-row CPU linear
 layers (decode.runtime.small_rows), interleaved in one process on the same prompt and cache: medians of
 forward_tree + keep for chains of 1-16 tentative tokens.
 
 - `torch`: F.linear everywhere (MKL: a one-core GEMV for one row, a transposed-weight GEMM for more);
-- `hot`: the rule before 2026-12-03: W @ x^T for 2-16 rows where it won when timed over one weight again and
-  again (the weight stays in cache), inputs taken in whatever layout they came;
-- `cold` (today's `auto`): W @ x^T for 1-16 rows where it wins when timed over clones of the weight streamed
-  from memory, one row as two identical columns, inputs made contiguous.
+- `cold` (auto before 2026-12-04): F.linear or W @ x^T per shape, whichever was faster timed over clones of the
+  weight streamed from memory;
+- `auto` (today's default): the same timing with the native kernel (decode/runtime/native_rows.py) as a third
+  candidate;
+- `native`: the native kernel for every 1-16 row product.
 
     python benchmarks/linear_kernels_ab.py --target smolvlm-135m --repeats 14 --out benchmarks/results/linear-kernels-ab-cpu.json
 
-A VM's speed drifts by 20-30% over minutes, so only rules timed side by side in one run compare.
+Choices are measured in this process (the machine's kernel table is neither read nor written). A VM's speed drifts
+by 20-30% over minutes, so only rules timed side by side in one run compare.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from decode.runtime import small_rows
+from decode.runtime import kernel_table, native_rows, small_rows
 from decode.targets.loader import load_target
 
 TREE_TOKENS = (1, 2, 3, 4, 6, 8, 16)
 TEXT = "Write a long story about a robot who learns to paint. "
 
 
-def _hot_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return (weight @ x2.T).T  # the previous rule's product: the input's layout as it came
-
-
-def _rules(target, measure_reps: int) -> dict[str, tuple[str, dict, object]]:
-    """rule -> (small_rows.MODE, choice table, product) for every linear shape of the target's tree forwards."""
-    small_rows.MODE = "auto"
-    for n in TREE_TOKENS:  # today's choice, measured as decoding measures it
-        small_rows.measure_linears(target.model, n)
-    cold = dict(small_rows._CHOICE)
-    hot = {}
-    real_bytes = small_rows.COLD_BYTES
-    small_rows.COLD_BYTES = 0  # one weight, timed again and again: the previous measurement
+def _measured(target, native: bool) -> dict:
+    """The auto choices for every linear shape of the target's tree forwards, with or without the native kernel."""
+    real = native_rows.available
+    small_rows.MODE, small_rows._CHOICE = "auto", {}
+    if not native:
+        native_rows.available = lambda: False
     try:
-        for rows, n_in, n_out in cold:
-            hot[rows, n_in, n_out] = rows >= 2 and small_rows._measure(rows, torch.randn(n_out, n_in), measure_reps)
+        for n in TREE_TOKENS:
+            small_rows.measure_linears(target.model, n)
     finally:
-        small_rows.COLD_BYTES = real_bytes
-    return {"torch": ("off", {}, small_rows._rows_product), "hot": ("auto", hot, _hot_product),
-            "cold": ("auto", cold, small_rows._rows_product)}
+        native_rows.available = real
+    return dict(small_rows._CHOICE)
+
+
+def _rules(target) -> dict[str, tuple[str, dict]]:
+    """rule -> (small_rows.MODE, choice table)."""
+    return {"torch": ("off", {}), "cold": ("auto", _measured(target, native=False)),
+            "auto": ("auto", _measured(target, native=True)), "native": ("native", {})}
 
 
 def main() -> None:
@@ -61,24 +62,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ[kernel_table.ENV] = "off"  # choices of this process only
+    small_rows._TABLE_KEY = None
     target = load_target(args.target)
-    rules = _rules(target, measure_reps=7)
+    if not native_rows.available():
+        raise SystemExit(f"error: the native kernel is not available here ({native_rows.unavailable_reason()})")
+    rules = _rules(target)
     prompt = target.build_prompt(TEXT * args.context)
     target.prefill(prompt)
-    real_product = small_rows._rows_product
     times: dict[tuple[str, int], list[float]] = {(r, n): [] for r in rules for n in TREE_TOKENS}
-    try:
-        for _ in range(args.repeats):
-            for rule, (mode, table, product) in rules.items():
-                small_rows.MODE, small_rows._CHOICE, small_rows._rows_product = mode, table, product
-                for n in TREE_TOKENS:  # a chain of n tentative tokens, one kept: the context grows by one
-                    tokens, parents = torch.randint(0, 1000, (n,)), torch.arange(-1, n - 1)
-                    t0 = time.perf_counter()
-                    target.forward_tree(tokens, parents)
-                    target.keep([0])
-                    times[rule, n].append(time.perf_counter() - t0)
-    finally:
-        small_rows._rows_product = real_product
+    for _ in range(args.repeats):
+        for rule, (mode, table) in rules.items():
+            small_rows.MODE, small_rows._CHOICE = mode, table
+            for n in TREE_TOKENS:  # a chain of n tentative tokens, one kept: the context grows by one
+                tokens, parents = torch.randint(0, 1000, (n,)), torch.arange(-1, n - 1)
+                t0 = time.perf_counter()
+                target.forward_tree(tokens, parents)
+                target.keep([0])
+                times[rule, n].append(time.perf_counter() - t0)
     results = []
     for rule in rules:
         step = statistics.median(times[rule, 1][2:])
@@ -94,7 +95,7 @@ def main() -> None:
         "config": vars(args) | {"out": str(args.out)}, "context": prompt.length,
         "device": torch.__config__.show().splitlines()[0],
         "choices": {rule: {f"{r}x{i}->{o}": v for (r, i, o), v in sorted(table.items())}
-                    for rule, (_, table, _) in rules.items()},
+                    for rule, (_, table) in rules.items()},
         "results": results}, indent=1))
     print(f"-> {args.out}")
 

@@ -15,7 +15,7 @@
     load_avg        1-minute system load average before and after measuring (noise on shared machines)
     spec            predicted only: the spec sheet
     small_rows      CPU: the few-row linear kernel each (rows x in -> out) shape took while measuring
-                    (decode/runtime/small_rows.py; true = W @ x^T) and the per-machine file they are kept in
+                    (decode/runtime/small_rows.py: "linear", "wx" = W @ x^T, "native") and the per-machine file they are kept in
                     (decode/runtime/kernel_table.py), which later decoding processes on this machine adopt
 """
 

@@ -56,10 +56,13 @@ def test_which_calls_take_the_new_path(monkeypatch, forced):
 
 @pytest.mark.parametrize("slow", ["rows", "plain"])
 def test_auto_mode_takes_the_product_measured_faster_once_per_shape(monkeypatch, slow):
-    """auto: the first call of a shape times both products on its weight; the slower one is never taken
-    for that shape again, and the timing is not repeated."""
+    """auto: the first call of a shape times the products on its weight; the slower one is never taken
+    for that shape again, and the timing is not repeated (torch's two products here; native in test_native_rows)."""
     import time
 
+    from decode.runtime import native_rows
+
+    monkeypatch.setattr(native_rows, "available", lambda: False)
     monkeypatch.setattr(small_rows, "MODE", "auto")
     monkeypatch.setattr(small_rows, "_CHOICE", {})
     monkeypatch.setattr(small_rows, "MAX_COPIES", 2)  # two weights per timing sample: the sleeps below stay short
@@ -76,7 +79,8 @@ def test_auto_mode_takes_the_product_measured_faster_once_per_shape(monkeypatch,
         torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     linear(torch.randn(2, 32), w)
     assert measured == [3, 2]  # once per (rows, in, out)
-    assert small_rows.choices() == {"2x32->64": slow == "plain", "3x32->64": slow == "plain"}
+    expect = "wx" if slow == "plain" else "linear"
+    assert small_rows.choices() == {"2x32->64": expect, "3x32->64": expect}
 
 
 def test_timing_streams_the_weight_from_memory(monkeypatch):
@@ -93,6 +97,8 @@ def test_timing_streams_the_weight_from_memory(monkeypatch):
     seen = []
     real = small_rows._rows_product
     monkeypatch.setattr(small_rows, "_rows_product", lambda x, wt: seen.append(wt.data_ptr()) or real(x, wt))
+    monkeypatch.setattr(small_rows, "_products", lambda: {"linear": torch.nn.functional.linear,
+                                                          "wx": small_rows._rows_product})
     small_rows._measure(2, w, reps=1)
     assert len(set(seen)) == 4  # every copy, not the same weight four times
 
@@ -121,15 +127,17 @@ def test_targets_use_it_and_decoding_stays_lossless(monkeypatch, forced):
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_compiled_graphs_take_the_product_measured_before_tracing(monkeypatch, faster):
+    """(W @ x^T or F.linear here; the native kernel's operator in test_native_rows.)"""
     """Inside torch.compile no timing can run: measure_linears times a model's linears for a row count first and
     the traced graph holds the product it chose (W @ x^T or F.linear), with the same values."""
     monkeypatch.setattr(small_rows, "MODE", "auto")
     monkeypatch.setattr(small_rows, "_CHOICE", {})
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, w: faster)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, w: "wx" if faster else "linear")
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 16, bias=False))
     small_rows.use_small_rows(model)
     assert small_rows.measure_linears(model, 4) == 2 and small_rows.measure_linears(model, 4) == 0
-    assert small_rows.choices() == {"4x32->64": faster, "4x64->16": faster}
+    expect = "wx" if faster else "linear"
+    assert small_rows.choices() == {"4x32->64": expect, "4x64->16": expect}
     graphs = []
 
     def keep_graph(gm, example_inputs):
@@ -158,7 +166,7 @@ def test_warm_up_chooses_every_kernel_before_the_timed_runs(monkeypatch, spec):
     monkeypatch.setattr(small_rows, "MODE", "auto")
     monkeypatch.setattr(small_rows, "_CHOICE", {})
     timed = []
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, w: timed.append(rows) or rows % 2 == 0)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, w: timed.append(rows) or ("wx" if rows % 2 else "linear"))
     target = tiny_target("tiny-llava")
     draft = make_draft(spec, target)
     policy = make_policy(draft, None, {})
@@ -195,20 +203,20 @@ def test_a_choice_is_measured_once_per_machine_and_every_later_process_takes_it(
     w, x = torch.randn(64, 32), torch.randn(3, 32)
     timed = []
     _fresh_process(monkeypatch)
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or True)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or "wx")
     torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     assert timed == [3] and small_rows.table_file() == str(table)
     saved = json.loads(table.read_text())
-    assert saved["format"] == kernel_table.FORMAT and saved["choices"] == {"3x32->64": True}
+    assert saved["format"] == kernel_table.FORMAT and saved["choices"] == {"3x32->64": "wx"}
     assert saved["machine"] == kernel_table.machine_key(small_rows.VERSION)
 
     _fresh_process(monkeypatch)  # a second process, whose own timing would pick F.linear
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or False)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or "linear")
     linear(x, w)
-    assert small_rows.choices() == {"3x32->64": True} and timed == [3]  # adopted, not timed again
+    assert small_rows.choices() == {"3x32->64": "wx"} and timed == [3]  # adopted, not timed again
     linear(torch.randn(2, 32), w)  # a new shape is timed and added beside the first
     assert timed == [3, 2]
-    assert json.loads(table.read_text())["choices"] == {"2x32->64": False, "3x32->64": True}
+    assert json.loads(table.read_text())["choices"] == {"2x32->64": "linear", "3x32->64": "wx"}
 
 
 def test_the_table_is_per_machine_and_a_broken_file_is_measured_again(monkeypatch, tmp_path, caplog):
@@ -218,14 +226,15 @@ def test_the_table_is_per_machine_and_a_broken_file_is_measured_again(monkeypatc
     monkeypatch.setenv(kernel_table.ENV, str(table))
     key = kernel_table.machine_key(small_rows.VERSION)
     other = key.replace(f"threads={torch.get_num_threads()}", f"threads={torch.get_num_threads() + 1}")
-    for content in (json.dumps({"format": kernel_table.FORMAT, "machine": other, "choices": {"3x32->64": True}}),
-                    "{not json", json.dumps([1, 2]), ""):
+    for content in (json.dumps({"format": kernel_table.FORMAT, "machine": other, "choices": {"3x32->64": "wx"}}),
+                    "{not json", json.dumps([1, 2]), "",
+                    json.dumps({"format": kernel_table.FORMAT, "machine": key, "choices": {"3x32->64": True}})):
         table.write_text(content)
         _fresh_process(monkeypatch)
-        monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: False)
+        monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: "linear")
         with caplog.at_level("WARNING"):
             linear(torch.randn(3, 32), torch.randn(64, 32))
-        assert small_rows.choices() == {"3x32->64": False}  # measured here, not the other machine's answer
+        assert small_rows.choices() == {"3x32->64": "linear"}  # measured here, not the other machine's answer
         assert json.loads(table.read_text())["machine"] == key  # and the file rewritten for this machine
     assert "ignoring the kernel choice table" in caplog.text
 
@@ -236,17 +245,17 @@ def test_choices_made_under_another_thread_count_are_dropped(monkeypatch, tmp_pa
     monkeypatch.setenv(kernel_table.ENV, "off")
     _fresh_process(monkeypatch)
     assert small_rows.table_file() is None
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: True)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: "wx")
     w = torch.randn(64, 32)
     linear(torch.randn(3, 32), w)
-    assert small_rows.choices() == {"3x32->64": True}
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: False)
+    assert small_rows.choices() == {"3x32->64": "wx"}
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: "linear")
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
         linear(torch.randn(3, 32), w)  # still the first answer: the cached choice is not re-checked per call
         small_rows.measure_linears(torch.nn.Linear(32, 64), 3)  # a warm-up re-reads the machine's key
-        assert small_rows.choices() == {"3x32->64": False}
+        assert small_rows.choices() == {"3x32->64": "linear"}
     finally:
         torch.set_num_threads(threads)
 
@@ -258,9 +267,9 @@ def test_an_unwritable_table_costs_only_the_persistence(monkeypatch, tmp_path, c
     blocker.write_text("x")
     monkeypatch.setenv(kernel_table.ENV, str(blocker / "kernels.json"))  # a folder that cannot be made
     _fresh_process(monkeypatch)
-    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: True)
+    monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: "wx")
     x, w = torch.randn(2, 32), torch.randn(48, 32)
     with caplog.at_level("WARNING"):
         torch.testing.assert_close(linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-    assert small_rows.choices() == {"2x32->48": True}
+    assert small_rows.choices() == {"2x32->48": "wx"}
     assert "could not keep the kernel choices" in caplog.text

@@ -8,7 +8,8 @@ set of kernels (57 ms) while the bench decoded with another (42 ms), and the sea
 too high at cpu scale. A choice measured once is now written here and read by every later process with the same
 machine key (CPU model, vector extensions, cores, torch threads and version, the rule's version).
 
-The file: `<cache>/kernels/<slug>.json` = {"format", "machine": key, "choices": {"2x576->49192": true, ...}}.
+The file: `<cache>/kernels/<slug>.json` = {"format", "machine": key, "choices": {"2x576->49192": "native", ...}}, each
+value the product small_rows.PRODUCTS names ("linear", "wx", "native").
 VLM_DRAFT_NAS_KERNEL_TABLE=off keeps choices in memory only (one process, as before); =PATH uses that file.
 Delete the file to measure again. Writes merge with what other processes wrote, under a lock, and replace the file
 atomically; an unreadable file is ignored with a warning and rewritten.
@@ -33,7 +34,7 @@ from decode.runtime.machine import cpu_cores, cpu_isa, cpu_model
 
 log = logging.getLogger(__name__)
 
-FORMAT = "vlm-draft-nas/kernel-choices-v1"
+FORMAT = "vlm-draft-nas/kernel-choices-v2"
 ENV = "VLM_DRAFT_NAS_KERNEL_TABLE"
 Shape = tuple[int, int, int]  # (rows, in, out)
 
@@ -71,20 +72,23 @@ def _shape(name: str) -> Shape:
     return int(rows), int(n_in), int(n_out)
 
 
-def _read(path: Path, key: str) -> dict[Shape, bool]:
+def _read(path: Path, key: str) -> dict[Shape, str]:
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text())
         if data.get("format") != FORMAT or data.get("machine") != key:
             raise ValueError(f"made for {data.get('machine')!r}, not {key!r}")
-        return {_shape(k): bool(v) for k, v in data["choices"].items()}
+        choices = {_shape(k): v for k, v in data["choices"].items()}
+        if not all(isinstance(v, str) for v in choices.values()):
+            raise ValueError("a choice that is not a product name")
+        return choices
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         log.warning("ignoring the kernel choice table %s (%s); the choices are measured again", path, e)
         return {}
 
 
-def load(key: str) -> dict[Shape, bool]:
+def load(key: str) -> dict[Shape, str]:
     """The persisted choices for `key` ({} when none, persistence off, or the file unreadable)."""
     path = table_path(key)
     return {} if path is None else _read(path, key)
@@ -100,7 +104,7 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def save(key: str, choices: dict[Shape, bool]) -> dict[Shape, bool]:
+def save(key: str, choices: dict[Shape, str]) -> dict[Shape, str]:
     """Merge `choices` into `key`'s file (entries already there win: the first measurement on a machine is the one
     every process uses) and replace it atomically; -> the merged table, which the caller adopts. A file system that
     refuses the write only costs the persistence (logged), never the decoding."""

@@ -10,7 +10,10 @@ same head, W @ x^T 7.9 ms, and a 2-4 token verify through W @ x^T cost 2.2x a st
 F.linear. So no fixed rule is right: in the default mode `auto`, the first call with a given (rows, in,
 out) shape times both products on its real weight (a few alternating runs, medians; each run streams clones
 of the weight from memory, as a forward through the whole model does) and every later call of that shape
-takes the faster one; W @ x^T must win by 10% to be taken.
+takes the fastest; the others must beat F.linear by 10% to be taken. A third product joins where the machine can
+build it: decode/runtime/native_rows.py, a native kernel that streams each weight once for all rows (on a 2-core AMD
+EPYC the default target's linear layers took 18 ms for one row against 29 with the best torch product, 22 for four
+against 39, 34 for eight against 88).
 
 CPU float32 inference calls with 1..SMALL_ROWS rows are candidates. One row too: MKL's one-column product
 (GEMV) streams the weight on one core, and the same row as two identical columns of W @ X runs on all
@@ -27,8 +30,10 @@ code reads them as constants; a shape never measured keeps F.linear. The draft b
 target). Vanilla and speculative decoding run the same layers, so speed-ups stay like-for-like; outputs
 stay token-identical (tested), values within 1e-5 of F.linear.
 
-VLM_DRAFT_NAS_SMALL_ROWS=auto (default) | on (W @ x^T for every candidate call) | off (F.linear
-everywhere; VLM_DRAFT_NAS_PLAIN_LINEAR=1 means the same). `choices()` lists what auto picked.
+VLM_DRAFT_NAS_SMALL_ROWS=auto (default) | on (W @ x^T for every candidate call) | native (the native kernel for
+every candidate call, W @ x^T where it is not available) | off (F.linear everywhere; VLM_DRAFT_NAS_PLAIN_LINEAR=1
+means the same). VLM_DRAFT_NAS_NATIVE_ROWS=off keeps the native kernel out of auto's choice. `choices()` lists what
+auto picked ("linear", "wx" or "native" per shape).
 
 A choice is measured once per machine, not per process: decode.runtime.kernel_table keeps it in a file in the cache
 folder that every later process adopts, so the hardware profile and the bench that checks it run the same kernels
@@ -44,14 +49,15 @@ import types
 
 import torch
 
-from decode.runtime import kernel_table
+from decode.runtime import kernel_table, native_rows
 
 SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep F.linear
-MARGIN = 0.9  # auto: W @ x^T is taken when its median time is below MARGIN x F.linear's
+MARGIN = 0.9  # auto: another product is taken when its median time is below MARGIN x F.linear's
 COLD_BYTES = 128 << 20  # weights streamed per timing sample: four times a 32 MiB last-level cache
 MAX_COPIES = 256  # tiny weights: at most this many clones per timing sample
-VERSION = "rows-cold-2"  # how the choice is made; profiles record it (verify and step costs depend on it)
-MODES = ("auto", "on", "off")
+VERSION = "rows-cold-3"  # how the choice is made; profiles record it (verify and step costs depend on it)
+MODES = ("auto", "on", "native", "off")
+PRODUCTS = ("linear", "wx", "native")  # F.linear; W @ x^T through torch; the native kernel (native_rows)
 
 
 def _mode_from_env() -> str:
@@ -62,7 +68,7 @@ def _mode_from_env() -> str:
 
 
 MODE = _mode_from_env()
-_CHOICE: dict[tuple[int, int, int], bool] = {}  # (rows, in, out) -> W @ x^T is faster (auto mode, measured)
+_CHOICE: dict[tuple[int, int, int], str] = {}  # (rows, in, out) -> the fastest of PRODUCTS (auto mode, measured)
 _TABLE_KEY: str | None = None  # the machine key (kernel_table) whose persisted choices _CHOICE holds
 
 
@@ -88,30 +94,32 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
-def _measure(rows: int, weight: torch.Tensor, reps: int = 5) -> bool:
-    """True when W @ x^T beats F.linear for `rows` rows through this weight on this machine: medians of `reps`
-    alternating samples, each sample one product through every copy of _cold_copies (from memory, not cache)."""
+def _products() -> dict[str, object]:
+    """The products this machine has: name -> f(x2 (rows, in), weight (out, in)) -> (rows, out)."""
+    found = {"linear": lambda x2, w: torch.nn.functional.linear(x2, w), "wx": _rows_product}
+    if native_rows.available():
+        found["native"] = native_rows.rows_linear
+    return found
+
+
+def _measure(rows: int, weight: torch.Tensor, reps: int = 5) -> str:
+    """The fastest product (PRODUCTS) for `rows` rows through this weight on this machine: medians of `reps`
+    alternating samples, each sample one product through every copy of _cold_copies (from memory, not cache); one
+    other than F.linear must beat it by the MARGIN."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     copies = _cold_copies(weight)
-
-    def plain() -> None:
-        for w in copies:
-            torch.nn.functional.linear(x, w)
-
-    def mine() -> None:
-        for w in copies:
-            _rows_product(x, w)
-
+    products = _products()
+    times: dict[str, list[float]] = {name: [] for name in products}
     with torch.no_grad():
-        plain()
-        mine()
-        times: dict = {plain: [], mine: []}
-        for _ in range(reps):
-            for f in (plain, mine):
+        for _ in range(reps + 1):  # the first round warms up (allocations, the native build's first call)
+            for name, product in products.items():
                 t0 = time.perf_counter()
-                f()
-                times[f].append(time.perf_counter() - t0)
-    return statistics.median(times[mine]) < MARGIN * statistics.median(times[plain])
+                for w in copies:
+                    product(x, w)
+                times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t[1:]) for name, t in times.items()}
+    best = min((name for name in median if name != "linear"), key=median.__getitem__)
+    return best if median[best] < MARGIN * median["linear"] else "linear"
 
 
 def _sync_table() -> None:
@@ -126,18 +134,26 @@ def _sync_table() -> None:
         _TABLE_KEY = key
 
 
-def _take_rows_path(rows: int, weight: torch.Tensor) -> bool:
-    if MODE == "on":
-        return True
+def _forced() -> str:
+    """The product MODE on / native forces."""
+    return "native" if MODE == "native" and native_rows.available() else "wx"
+
+
+def _choose(rows: int, weight: torch.Tensor) -> str:
+    """The product (PRODUCTS) for `rows` rows through `weight` in MODE on / native / auto (measured once per machine)."""
+    if MODE in ("on", "native"):
+        return _forced()
     key = (rows, weight.shape[1], weight.shape[0])
-    faster = _CHOICE.get(key)
-    if faster is None:
+    choice = _CHOICE.get(key)
+    if choice is None:
         _sync_table()
-        faster = _CHOICE.get(key)
-    if faster is None:  # never measured on this machine: time it once, keep it for every later process
+        choice = _CHOICE.get(key)
+    if choice is None:  # never measured on this machine: time it once, keep it for every later process
         _CHOICE.update(kernel_table.save(_TABLE_KEY, {key: _measure(rows, weight)}))
-        faster = _CHOICE[key]
-    return faster
+        choice = _CHOICE[key]
+    if choice == "native" and not native_rows.available():  # a table written where the kernel could be built
+        choice = "wx"
+    return choice
 
 
 def table_file() -> str | None:
@@ -151,35 +167,46 @@ def linear_kernels() -> str:
     return f"{VERSION}:{MODE}"
 
 
-def choices() -> dict[str, bool]:
-    """What auto mode measured so far: "rows x in -> out" -> W @ x^T taken."""
+def choices() -> dict[str, str]:
+    """What auto mode measured so far: "rows x in -> out" -> the product taken (PRODUCTS)."""
     return {f"{r}x{i}->{o}": v for (r, i, o), v in sorted(_CHOICE.items())}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through W @ x^T where that is faster (few rows, CPU, float32, inference).
-    x: (..., in), weight (out, in) -> (..., out)."""
+    """F.linear(x, weight, bias), through W @ x^T or the native kernel where that is faster (few rows, CPU, float32,
+    inference). x: (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     few = (1 <= rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
            and weight.dtype == torch.float32)
-    if torch.compiler.is_compiling():  # the compiled runtime: the choice measured before tracing, read as a constant
-        take = few and _measured_faster(rows, weight.shape[1], weight.shape[0])
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the compiled runtime: the choice measured before tracing, read as a constant
+        choice = PRODUCTS[_measured_choice(rows, weight.shape[1], weight.shape[0])] if few else "linear"
+    elif MODE != "off" and few and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        choice = _choose(rows, weight)
     else:
-        take = (MODE != "off" and few and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                and _take_rows_path(rows, weight))
-    if not take:
+        choice = "linear"
+    if choice == "linear":
         return torch.nn.functional.linear(x, weight, bias)
-    y = _rows_product(x.reshape(rows, x.shape[-1]), weight)
+    x2 = x.reshape(rows, x.shape[-1])
+    if choice == "wx":
+        y = _rows_product(x2, weight)
+    else:  # the native kernel; inside a graph as an operator dynamo does not trace into
+        y = native_rows.rows_linear_op(x2, weight) if compiling else native_rows.rows_linear(x2, weight)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @torch.compiler.assume_constant_result
-def _measured_faster(rows: int, n_in: int, n_out: int) -> bool:
-    """What `measure_linears` found for this shape (False when never measured or in mode off); traced as a constant,
-    so a graph neither guards on nor recompiles for later entries of the choice table."""
-    return MODE == "on" or (MODE == "auto" and _CHOICE.get((rows, n_in, n_out), False))
+def _measured_choice(rows: int, n_in: int, n_out: int) -> int:
+    """What `measure_linears` found for this shape, as an index into PRODUCTS (F.linear when never measured or in
+    mode off); traced as a constant, so a graph neither guards on nor recompiles for later entries of the table."""
+    if MODE in ("on", "native"):
+        return PRODUCTS.index(_forced())
+    choice = _CHOICE.get((rows, n_in, n_out), "linear") if MODE == "auto" else "linear"
+    if choice == "native" and not native_rows.available():
+        choice = "wx"
+    return PRODUCTS.index(choice)
 
 
 def measure_linears(model: torch.nn.Module, rows: int) -> int:
@@ -194,7 +221,7 @@ def measure_linears(model: torch.nn.Module, rows: int) -> int:
             continue
         w = module.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and (rows, w.shape[1], w.shape[0]) not in _CHOICE:
-            _take_rows_path(rows, w.detach())
+            _choose(rows, w.detach())
             n += 1
     return n
 
