@@ -208,7 +208,7 @@ def test_a_choice_is_measured_once_per_machine_and_every_later_process_takes_it(
     assert timed == [3] and small_rows.table_file() == str(table)
     saved = json.loads(table.read_text())
     assert saved["format"] == kernel_table.FORMAT and saved["choices"] == {"3x32->64": "wx"}
-    assert saved["machine"] == kernel_table.machine_key(small_rows.VERSION)
+    assert saved["machine"] == kernel_table.machine_key(small_rows.rule())
 
     _fresh_process(monkeypatch)  # a second process, whose own timing would pick F.linear
     monkeypatch.setattr(small_rows, "_measure", lambda rows, weight: timed.append(rows) or "linear")
@@ -224,7 +224,7 @@ def test_the_table_is_per_machine_and_a_broken_file_is_measured_again(monkeypatc
 
     table = tmp_path / "kernels.json"
     monkeypatch.setenv(kernel_table.ENV, str(table))
-    key = kernel_table.machine_key(small_rows.VERSION)
+    key = kernel_table.machine_key(small_rows.rule())
     other = key.replace(f"threads={torch.get_num_threads()}", f"threads={torch.get_num_threads() + 1}")
     for content in (json.dumps({"format": kernel_table.FORMAT, "machine": other, "choices": {"3x32->64": "wx"}}),
                     "{not json", json.dumps([1, 2]), "",

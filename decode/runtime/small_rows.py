@@ -126,12 +126,18 @@ def _sync_table() -> None:
     """Adopt this machine's persisted choices (decode.runtime.kernel_table): once per process and torch thread
     count; choices made under another thread count are dropped (a two-column product's gain is its threads)."""
     global _TABLE_KEY
-    key = kernel_table.machine_key(VERSION)
+    key = kernel_table.machine_key(rule())
     if key != _TABLE_KEY:
         if _TABLE_KEY is not None:
             _CHOICE.clear()
         _CHOICE.update(kernel_table.load(key))
         _TABLE_KEY = key
+
+
+def rule() -> str:
+    """VERSION, and whether the native kernel is a candidate: a process without it (VLM_DRAFT_NAS_NATIVE_ROWS=off, no
+    compiler) keeps its own table of choices, measured between torch's two products."""
+    return f"{VERSION}+native" if native_rows.available() else VERSION
 
 
 def _forced() -> str:
@@ -158,13 +164,13 @@ def _choose(rows: int, weight: torch.Tensor) -> str:
 
 def table_file() -> str | None:
     """The file this machine's choices are kept in (None: in memory only); bench results and profiles record it."""
-    path = kernel_table.table_path(kernel_table.machine_key(VERSION))
+    path = kernel_table.table_path(kernel_table.machine_key(rule()))
     return None if path is None else str(path)
 
 
 def linear_kernels() -> str:
     """How few-row CPU linear products are chosen in this process (VERSION:MODE); profiles record it."""
-    return f"{VERSION}:{MODE}"
+    return f"{rule()}:{MODE}"
 
 
 def choices() -> dict[str, str]:
