@@ -12,8 +12,8 @@ out) shape times both products on its real weight (a few alternating runs, media
 of the weight from memory, as a forward through the whole model does) and every later call of that shape
 takes the fastest; the others must beat F.linear by 10% to be taken. A third product joins where the machine can
 build it: decode/runtime/native_rows.py, a native kernel that streams each weight once for all rows (on a 2-core AMD
-EPYC the default target's linear layers took 18 ms for one row against 29 with the best torch product, 22 for four
-against 39, 34 for eight against 88).
+EPYC the default target's linear layers took 15 ms for one row against 29 with the best torch product, 14 for four
+against 39, 21 for eight against 88).
 
 CPU float32 inference calls with 1..SMALL_ROWS rows are candidates. One row too: MKL's one-column product
 (GEMV) streams the weight on one core, and the same row as two identical columns of W @ X runs on all
@@ -55,7 +55,7 @@ SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep
 MARGIN = 0.9  # auto: another product is taken when its median time is below MARGIN x F.linear's
 COLD_BYTES = 128 << 20  # weights streamed per timing sample: four times a 32 MiB last-level cache
 MAX_COPIES = 256  # tiny weights: at most this many clones per timing sample
-VERSION = "rows-cold-3"  # how the choice is made; profiles record it (verify and step costs depend on it)
+VERSION = "rows-cold-4"  # how the choice is made; profiles record it (verify and step costs depend on it)
 MODES = ("auto", "on", "native", "off")
 PRODUCTS = ("linear", "wx", "native")  # F.linear; W @ x^T through torch; the native kernel (native_rows)
 
