@@ -5,7 +5,6 @@ build, so these tests fail (not skip) when it does not."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 
@@ -63,8 +62,7 @@ def test_the_avx2_build_agrees(tmp_path):
     guarantees."""
     path = tmp_path / "rows-avx2.so"
     native_rows._build(path, native_rows.FLAGS + ("-mno-avx512f",))
-    lib = ctypes.CDLL(str(path))
-    lib.vlm_rows_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib = native_rows.load(path)
     assert lib.vlm_rows_lanes() == 8
 
     def product(x, w):

@@ -99,6 +99,15 @@ def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
             os.unlink(tmp)
 
 
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    lib.vlm_rows_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.vlm_rows_linear.restype = ctypes.c_int
+    lib.vlm_rows_lanes.restype = ctypes.c_int
+    return lib
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     reason = unavailable_reason()
@@ -109,14 +118,10 @@ def _library() -> ctypes.CDLL | None:
         path = library_path()
         if not path.is_file():
             _build(path)
-        lib = ctypes.CDLL(str(path))
+        return load(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("the native few-row linear kernel could not be built or loaded (%s); torch's products are used", e)
         return None
-    lib.vlm_rows_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.vlm_rows_linear.restype = ctypes.c_int
-    lib.vlm_rows_lanes.restype = ctypes.c_int
-    return lib
 
 
 def available() -> bool:

@@ -146,7 +146,7 @@ def _forced() -> str:
 
 
 def _choose(rows: int, weight: torch.Tensor) -> str:
-    """The product (PRODUCTS) for `rows` rows through `weight` in MODE on / native / auto (measured once per machine)."""
+    """The product (PRODUCTS) for `rows` rows through `weight` (MODE auto: measured once per machine)."""
     if MODE in ("on", "native"):
         return _forced()
     key = (rows, weight.shape[1], weight.shape[0])
@@ -157,9 +157,13 @@ def _choose(rows: int, weight: torch.Tensor) -> str:
     if choice is None:  # never measured on this machine: time it once, keep it for every later process
         _CHOICE.update(kernel_table.save(_TABLE_KEY, {key: _measure(rows, weight)}))
         choice = _CHOICE[key]
-    if choice == "native" and not native_rows.available():  # a table written where the kernel could be built
-        choice = "wx"
-    return choice
+    return _usable(choice)
+
+
+def _usable(choice: str) -> str:
+    """`choice`, or W @ x^T for a native choice in a process whose kernel went away (tables are kept per rule(), so
+    only a kernel that failed after the choice was read meets this)."""
+    return "wx" if choice == "native" and not native_rows.available() else choice
 
 
 def table_file() -> str | None:
@@ -209,10 +213,7 @@ def _measured_choice(rows: int, n_in: int, n_out: int) -> int:
     mode off); traced as a constant, so a graph neither guards on nor recompiles for later entries of the table."""
     if MODE in ("on", "native"):
         return PRODUCTS.index(_forced())
-    choice = _CHOICE.get((rows, n_in, n_out), "linear") if MODE == "auto" else "linear"
-    if choice == "native" and not native_rows.available():
-        choice = "wx"
-    return PRODUCTS.index(choice)
+    return PRODUCTS.index(_usable(_CHOICE.get((rows, n_in, n_out), "linear")) if MODE == "auto" else "linear")
 
 
 def measure_linears(model: torch.nn.Module, rows: int) -> int:
