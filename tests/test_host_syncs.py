@@ -21,7 +21,7 @@ from decode.drafts import LayerSkipDraft, make_draft
 from decode.loop.speculative import speculative_generate
 from decode.loop.tree import DraftTree, TreePolicy, build_tree
 from decode.loop.vanilla import vanilla_generate
-from decode.loop.verify import verify_greedy
+from decode.loop.verify import _greedy_on_device, verify_greedy
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select", "unique",
          "numpy", "argwhere"}
@@ -131,10 +131,10 @@ def test_device_greedy_verification_equals_the_walk(seed):
     parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
     tree = DraftTree(torch.randint(0, vocab, (n,), generator=g), parents).validate()
     logits = torch.randn(n, vocab, generator=g)
-    verdict = verify_greedy(tree, logits)
     path, bonus = _walk(tree, logits)
-    assert (verdict.path, verdict.bonus) == (path, bonus)
-    assert verdict.tokens == tree.tokens[path].tolist()
+    for verdict in (verify_greedy(tree, logits), _greedy_on_device(tree, logits)):  # the CPU walk, the tensor rule
+        assert (verdict.path, verdict.bonus) == (path, bonus)
+        assert verdict.tokens == tree.tokens[path].tolist()
 
 
 def test_vanilla_steps_read_the_host_once():

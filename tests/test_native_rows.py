@@ -38,19 +38,22 @@ def _check_rows(product, n_in: int, n_out: int, rows: int) -> None:
     assert torch.equal(y, alone)  # bitwise: a vanilla step and a tree verification see the same row values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16])
 @pytest.mark.parametrize("n_in,n_out", [(64, 48), (37, 3), (576, 1), (1536, 576), (23, 8200)])
 def test_values_and_bitwise_row_independence(rows, n_in, n_out):
     assert native_rows.available()
     _check_rows(native_rows.rows_linear, n_in, n_out, rows)
 
 
-def test_the_thread_count_does_not_change_a_bit():
-    x, w = torch.randn(5, 576), torch.randn(1000, 576)
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_the_thread_count_does_not_change_a_bit(rows):
+    """The threads' blocks of weight rows, and so which rows fall in a tile of R rows and which are left over, change
+    with the thread count: not one bit may."""
+    x, w = torch.randn(rows, 576), torch.randn(1001, 576)
     threads = torch.get_num_threads()
     ref = native_rows.rows_linear(x, w)
     try:
-        for n in (1, 3):
+        for n in (1, 3, 4):
             torch.set_num_threads(n)
             assert torch.equal(native_rows.rows_linear(x, w), ref)
     finally:
@@ -70,7 +73,7 @@ def test_the_avx2_build_agrees(tmp_path):
         assert lib.vlm_rows_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), *x.shape, w.shape[0], 2) == 0
         return y
 
-    for rows, n_in, n_out in [(1, 37, 5), (4, 64, 48), (9, 576, 130)]:
+    for rows, n_in, n_out in [(1, 37, 5), (3, 40, 7), (4, 64, 48), (6, 64, 9), (9, 576, 130)]:
         _check_rows(product, n_in, n_out, rows)
 
 

@@ -38,11 +38,19 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     logits: (N, V) target logits at the tree nodes. The output equals vanilla greedy decoding
     token for token because every accepted token *is* the target's argmax after its prefix.
 
-    On the device, with no per-node work: a node matches when its token is the target's argmax at its parent and
-    no earlier sibling has the same token; it is accepted when it and all its ancestors match. Accepted nodes form
-    one chain from the root (siblings never both match), so the deepest one ends the path, and its ancestor row
-    is the path. One read brings the path, the tree's tokens and the bonus to the host.
+    On a CPU the rule is walked on the host (_walk_greedy). On an accelerator, with no per-node work
+    (_greedy_on_device): a node matches when its token is the target's argmax at its parent and no earlier sibling
+    has the same token; it is accepted when it and all its ancestors match. Accepted nodes form one chain from the
+    root (siblings never both match), so the deepest one ends the path, and its ancestor row is the path. One read
+    brings the path, the tree's tokens and the bonus to the host.
     """
+    if logits.device.type == "cpu":
+        return _walk_greedy(tree, logits)
+    return _greedy_on_device(tree, logits)
+
+
+def _greedy_on_device(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """verify_greedy with tensor ops only and one read back (an accelerator's queue stalls once per cycle)."""
     n = tree.size
     tokens, parents = tree.tokens, tree.parents.to(tree.tokens.device)
     pred = logits.argmax(-1).to(tokens.device)  # (N,) the target's choice after each node
@@ -57,6 +65,22 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     host = torch.cat([mask[deepest].long(), pred[deepest, None], tokens]).tolist()  # the one host read
     path = [i for i in range(n) if host[i]]  # ancestors of the deepest accepted node, in depth order
     return Verdict(path, [host[n + 1 + i] for i in path], host[n])
+
+
+def _walk_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """verify_greedy's rule walked on the host, where a read stalls no queue (CPU): from the root, step to the first
+    child (in index order) whose token is the target's choice at the current node. The same path as the tensor
+    version (a later twin never matches there either) at a fraction of its cost: its 15 small tensor ops took 0.5 ms
+    of a 35 ms cycle of the default target on 2 CPU cores. One read, as there."""
+    n = tree.size
+    host = torch.cat([logits.argmax(-1), tree.tokens, tree.parents]).tolist()  # (3N,): the one host read
+    pred, tokens, parents = host[:n], host[n:2 * n], host[2 * n:]
+    path, node = [0], 0
+    for i in range(1, len(tokens)):  # parents come before children: one pass in index order finds the chain
+        if parents[i] == node and tokens[i] == pred[node]:
+            path.append(i)
+            node = i
+    return Verdict(path, [tokens[i] for i in path], pred[node])
 
 
 def verify_sampling(

@@ -2,9 +2,9 @@
 the cache folder, called through ctypes; one of the products decode.runtime.small_rows chooses between.
 
 On a 2-core AMD EPYC (AVX-512) the default target's linear layers and LM head took, per forward (weights streamed
-from memory): 1 row 15 ms (the best torch product 29 ms), 4-5 rows 14 ms (39), 8 rows 21 ms (88). Each thread
-streams one contiguous block of weight rows, prefetching ahead, and multiplies each weight vector with every input
-row while it is in registers; a row's result is bitwise the same alone or with other rows (see the .cpp).
+from memory): 1 row 15 ms (the best torch product 29 ms), 4-5 rows 14 ms (39), 8 rows 17 ms (88), and up to 12
+rows in one pass. Each thread streams one contiguous block of weight rows, prefetching ahead, and multiplies a tile
+of weight vectors with every input row while they are in registers; a row's result is bitwise the same alone or with other rows (see the .cpp).
 
 Where it cannot be had (not x86-64, no AVX2+FMA, no compiler, a failed build, VLM_DRAFT_NAS_NATIVE_ROWS=off),
 `available()` is False and small_rows keeps the torch products; a failed build is logged once with the compiler's

@@ -4,9 +4,9 @@
 //
 // Why: a decoding step or a small tree verification multiplies 1-16 rows by every weight of the target. That is
 // bound by streaming the weights from memory (the default target's 538 MB), yet on a 2-core AMD EPYC MKL's GEMM
-// took 29 ms for one or two rows and 88 ms for eight, where this kernel takes 15 and 21. Each thread streams its
-// own contiguous block of weight rows once, prefetching ahead into L2, and multiplies every weight vector with all
-// M input rows while it is in registers.
+// took 29 ms for one or two rows and 88 ms for eight, where this kernel takes 15 and 17 (up to 12 rows in one pass
+// with AVX-512). Each thread streams its own contiguous block of weight rows once, prefetching ahead into L2, and
+// multiplies a tile of weight vectors with all M input rows while they are in registers.
 //
 // Exactness: element (m, n) is always the same sequence of fused multiply-adds over k (LANES partial sums in
 // k order, then one fixed horizontal sum), whatever M, the thread count or the split of N. A row's result is
@@ -53,32 +53,62 @@ static inline float vsum(vec a) {
 #error "rows_kernel.cpp needs AVX2 and FMA (or AVX-512F)"
 #endif
 
-static const int MAX_BLOCK = 8;  // input rows per pass over the weights (accumulators held in registers)
+// input rows per pass over the weights (their accumulators held in registers: 24 of the 32 AVX-512 ones, 8 of 16)
+#if defined(__AVX512F__)
+static const int MAX_BLOCK = 12;
+#else
+static const int MAX_BLOCK = 8;
+#endif
 // Weight floats ahead of the current load that are prefetched into L2 (16 KB). The hardware prefetchers alone stop
 // keeping the stream ahead once the core is busy multiplying several rows: on a 2-core AMD EPYC, 4-5 rows through
 // the default target's weights took 22-25 ms without this and 14 ms with it, 8 rows 35 against 21, one row 18
 // against 15 (benchmarks/results/linear-kernels-ab-native-cpu.json has the model-level effect).
 static const int64_t PREFETCH = 4096;
 
-// Weight rows [n0, n1) against M input rows: one pass over that block of w.
+// Weight rows [n, n + R) against M input rows in one pass: each k step loads R weight vectors and M input vectors
+// for M * R fused multiply-adds. One weight row at a time (R = 1) needed M + 1 loads for M of them, and from 5
+// input rows on the cores waited on loads rather than on memory: on a 2-core AMD EPYC the default target's weights
+// took 22.0 ms for 8 rows and 28.5 for 9 (two passes) against 17.3 for one; tiled, 17.6 and 20.2 against 17.2
+// (benchmarks/results/native-kernel-ab-tiles-cpu.json). Element (m, n) gets the same sequence of FMAs whatever R is.
+template <int M, int R>
+static void rows_tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n) {
+    const int64_t body = K - K % LANES;
+    const float* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = w + (n + r) * K;
+    vec acc[M][R];
+    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = vzero();
+    for (int64_t k = 0; k < body; k += LANES) {
+        vec wv[R];
+        for (int r = 0; r < R; ++r) {
+            _mm_prefetch((const char*)(wr[r] + k + PREFETCH), _MM_HINT_T1);  // a hint: never faults past the end
+            wv[r] = vload(wr[r] + k);
+        }
+        for (int m = 0; m < M; ++m) {
+            const vec xv = vload(x + m * K + k);
+            for (int r = 0; r < R; ++r) acc[m][r] = vfma(wv[r], xv, acc[m][r]);
+        }
+    }
+    if (body < K) {
+        vec wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = vload_tail(wr[r] + body, K - body);
+        for (int m = 0; m < M; ++m) {
+            const vec xv = vload_tail(x + m * K + body, K - body);
+            for (int r = 0; r < R; ++r) acc[m][r] = vfma(wv[r], xv, acc[m][r]);
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) y[m * N + n + r] = vsum(acc[m][r]);
+}
+
+// Weight rows [n0, n1) against M input rows: tiles of R weight rows, then the leftover rows one at a time.
 template <int M>
 static void rows_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t body = K - K % LANES;
-    for (int64_t n = n0; n < n1; ++n) {
-        const float* wr = w + n * K;
-        vec acc[M];
-        for (int m = 0; m < M; ++m) acc[m] = vzero();
-        for (int64_t k = 0; k < body; k += LANES) {
-            _mm_prefetch((const char*)(wr + k + PREFETCH), _MM_HINT_T1);  // a hint: never faults past the end
-            const vec wv = vload(wr + k);
-            for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload(x + m * K + k), acc[m]);
-        }
-        if (body < K) {
-            const vec wv = vload_tail(wr + body, K - body);
-            for (int m = 0; m < M; ++m) acc[m] = vfma(wv, vload_tail(x + m * K + body, K - body), acc[m]);
-        }
-        for (int m = 0; m < M; ++m) y[m * N + n] = vsum(acc[m]);
-    }
+    // M * R accumulators + R weight vectors + 1 input vector stay within 16 registers (AVX2) or 32 (AVX-512)
+    constexpr int R = LANES == 16 ? (M == 3 || M == 4 ? 4 : 2) : (M <= 4 ? 2 : 1);
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows_tile<M, R>(x, w, y, K, N, n);
+    for (; n < n1; ++n) rows_tile<M, 1>(x, w, y, K, N, n);
 }
 
 static void rows_any(const float* x, const float* w, float* y, int64_t m, int64_t K, int64_t N, int64_t n0,
@@ -91,7 +121,15 @@ static void rows_any(const float* x, const float* w, float* y, int64_t m, int64_
         case 5: rows_block<5>(x, w, y, K, N, n0, n1); break;
         case 6: rows_block<6>(x, w, y, K, N, n0, n1); break;
         case 7: rows_block<7>(x, w, y, K, N, n0, n1); break;
+#if defined(__AVX512F__)
+        case 8: rows_block<8>(x, w, y, K, N, n0, n1); break;
+        case 9: rows_block<9>(x, w, y, K, N, n0, n1); break;
+        case 10: rows_block<10>(x, w, y, K, N, n0, n1); break;
+        case 11: rows_block<11>(x, w, y, K, N, n0, n1); break;
+        default: rows_block<12>(x, w, y, K, N, n0, n1); break;
+#else
         default: rows_block<8>(x, w, y, K, N, n0, n1); break;
+#endif
     }
 }
 
@@ -105,8 +143,10 @@ extern "C" int vlm_rows_linear(const float* x, const float* w, float* y, int64_t
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t per = (N + T - 1) / T;  // one contiguous block of weight rows per thread
         const int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        for (int64_t m0 = 0; m0 < M && n0 < n1; m0 += MAX_BLOCK) {  // more than 8 rows: another pass
-            const int64_t m = M - m0 < MAX_BLOCK ? M - m0 : MAX_BLOCK;
+        // more rows than one pass takes: passes of equal size (16 rows as 8 + 8 took 37 ms, as 12 + 4 43)
+        const int64_t passes = (M + MAX_BLOCK - 1) / MAX_BLOCK, per_pass = (M + passes - 1) / passes;
+        for (int64_t m0 = 0; m0 < M && n0 < n1; m0 += per_pass) {
+            const int64_t m = M - m0 < per_pass ? M - m0 : per_pass;
             rows_any(x + m0 * K, w, y + m0 * N, m, K, N, n0, n1);
         }
     }

@@ -55,7 +55,8 @@ SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep
 MARGIN = 0.9  # auto: another product is taken when its median time is below MARGIN x F.linear's
 COLD_BYTES = 128 << 20  # weights streamed per timing sample: four times a 32 MiB last-level cache
 MAX_COPIES = 256  # tiny weights: at most this many clones per timing sample
-VERSION = "rows-cold-4"  # how the choice is made; profiles record it (verify and step costs depend on it)
+VERSION = "rows-cold-5"  # how the choice is made and the native kernel tiles; profiles record it (step and verify
+# costs depend on both)
 MODES = ("auto", "on", "native", "off")
 PRODUCTS = ("linear", "wx", "native")  # F.linear; W @ x^T through torch; the native kernel (native_rows)
 
