@@ -24,7 +24,7 @@ import torch
 from decode.runtime.compiled import bucket
 from decode.targets.loader import load_target
 
-TREE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8)
+TREE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 TEXT = "Write a long story about a robot who learns to paint. "
 
 

@@ -16,9 +16,9 @@ def test_every_tree_size_fits_its_bucket_on_both_device_types():
             assert all(not n <= s < b for s in buckets(kind)), (kind, n, b)  # the smallest that holds n
 
 
-def test_cpu_buckets_are_unchanged_and_the_default():
+def test_cpu_buckets_are_the_default():
     assert buckets() == buckets("cpu") == BUCKETS
-    assert [bucket(n) for n in (1, 2, 3, 5, 6, 9, 33, 129)] == [1, 2, 4, 5, 8, 16, 64, 256]
+    assert [bucket(n) for n in (1, 2, 3, 5, 6, 9, 10, 13, 33, 129)] == [1, 2, 4, 5, 8, 9, 12, 16, 64, 256]
 
 
 def test_a_gpu_tree_of_up_to_64_nodes_takes_one_graph():

@@ -59,7 +59,7 @@ def test_compiled_runtime_is_token_identical_for_every_draft_kind(family, kinds)
 
 
 def test_bucket_sizes():
-    assert [bucket(n) for n in (1, 2, 3, 5, 6, 8, 9, 60, 128, 129)] == [1, 2, 4, 5, 8, 8, 16, 64, 128, 256]
+    assert [bucket(n) for n in (1, 2, 3, 5, 6, 8, 9, 11, 60, 128, 129)] == [1, 2, 4, 5, 8, 8, 9, 12, 64, 128, 256]
     assert list(BUCKETS) == sorted(BUCKETS)
 
 
@@ -150,7 +150,8 @@ def test_bench_runs_every_method_on_both_runtimes_against_same_runtime_vanilla()
     assert list(summary) == ["vanilla", "vanilla@compiled", "prompt-lookup", "prompt-lookup@compiled"]
     assert summary["prompt-lookup@compiled"]["runtime"] == "compiled"
     assert summary["prompt-lookup@compiled"]["baseline"] == "vanilla@compiled"
-    assert summary["prompt-lookup"]["baseline"] == "vanilla" and summary["vanilla@compiled"]["baseline"] == "vanilla@compiled"
+    assert summary["prompt-lookup"]["baseline"] == "vanilla"
+    assert summary["vanilla@compiled"]["baseline"] == "vanilla@compiled"
     for name in ("vanilla@compiled", "prompt-lookup", "prompt-lookup@compiled"):
         assert summary[name]["identical_rate"] == 1.0  # against eager vanilla, token for token
     row = next(r for r in res["per_prompt"] if r["method"] == "prompt-lookup@compiled")

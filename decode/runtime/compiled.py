@@ -43,8 +43,10 @@ ANSWER_ROOM = 384  # positions a prefill leaves free for the answer and its tree
 GRAIN = 128  # the static cache's length is a multiple of this
 # 5: a root and 4 drafted tokens (4x1/4, 2x2/4: the trees a CPU profile picks) padded to 8 cost 1.32x a compiled
 # step, run as 5 rows 0.99x, on a 2-core AMD EPYC (benchmarks/results/runtime-verify-ab-cpu.json); 6-7 rows cost
-# as much as 8 there, so they stay padded
-BUCKETS = (1, 2, 4, 5, 8, 16, 32, 64, 128)
+# about what 8 cost there, so they stay padded. 9 and 12: since the native kernel takes up to 12 rows in one pass over
+# the weights, 9 rows cost 1.22 eager steps and 12 1.40 where 16 cost 1.81 (benchmarks/results/
+# native-kernel-ab-tiles-cpu.json): a neural tree of 5 merged with a 4-token lookup branch (9) was padded to 16
+BUCKETS = (1, 2, 4, 5, 8, 9, 12, 16, 32, 64, 128)
 # On a GPU a tree forward of this target is launch-bound far beyond 64 tokens (H200, eager: 24.6 ms at 1 token,
 # 26.5-28.7 ms at every size from 2 to 128; profiles/h200-smolvlm-135m.json), so padding costs next to nothing there,
 # while every bucket is one more CUDA-graph compilation at start-up: measured on an H200 (torch 2.11), compiling the
