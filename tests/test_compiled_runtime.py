@@ -88,7 +88,7 @@ def test_no_recompilation_after_warm_up():
     with single_thread():
         target.use_runtime("compiled")
         speculative_generate(target, draft, tiny_prompt(target, TEXT), 8, policy=policy)
-        assert target.warm_buckets(draft.default_tree.total_tokens + 1, draft.feature_layers) == [1, 2, 4, 5, 8, 16]
+        assert target.warm_buckets(draft.default_tree.total_tokens + 1, draft.feature_layers) == [1, 2, 4, 5, 8, 9]
         before = graph_count()
         cycles, accepted = 0, set()
         for text in (TEXT, "Once upon a time there was", "one two three one two three one two three one"):

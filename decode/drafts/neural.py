@@ -86,7 +86,8 @@ class NeuralDraft(ModelDraft):
         self.pending_tokens = prompt.input_ids[0].to(feats.device)[pos]
         self.pending_feats = prev[pos]
         self.pending_pos = pos
-        self.model.add_memory(self.cache, self.model.project_features(feats[pos]), pos)
+        if self.model.uses_cross:  # a concat-only draft has no cross memory: no projection to waste
+            self.model.add_memory(self.cache, self.model.project_features(feats[pos]), pos)
         self.root_feat = feats[-1]  # the root (first generated token) pairs with the last prompt feature
         self.root_pos = t
         self.root_fed = False  # set when a proposal feeds the root (and the pending pairs) to the draft
@@ -106,7 +107,8 @@ class NeuralDraft(ModelDraft):
             self.pending_feats = torch.cat([self.pending_feats, self.root_feat[None], feats[:-1]])
             self.pending_pos = torch.cat([self.pending_pos, pos[:1], pos[1:]])
         self.root_fed = False
-        self.model.add_memory(self.cache, self.model.project_features(feats), pos)
+        if self.model.uses_cross:
+            self.model.add_memory(self.cache, self.model.project_features(feats), pos)
         self.root_feat = feats[-1]
         self.root_pos = self.root_pos + m
 
