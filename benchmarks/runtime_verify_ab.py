@@ -1,5 +1,5 @@
 """Tree-verification cost on both runtimes, side by side in one process: medians of forward_tree + keep for
-chains of 1-8 tentative tokens on the eager runtime (a growing cache, each tree at its own size) and on the
+chains of 1-16 tentative tokens on the eager runtime (a growing cache, each tree at its own size) and on the
 compiled one (static cache, trees padded to buckets, torch.compile'd forwards), on the same prompt.
 
     python benchmarks/runtime_verify_ab.py --target smolvlm-135m --out benchmarks/results/runtime-verify-ab-cpu.json

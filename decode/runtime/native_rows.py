@@ -4,7 +4,8 @@ the cache folder, called through ctypes; one of the products decode.runtime.smal
 On a 2-core AMD EPYC (AVX-512) the default target's linear layers and LM head took, per forward (weights streamed
 from memory): 1 row 15 ms (the best torch product 29 ms), 4-5 rows 14 ms (39), 8 rows 17 ms (88), and up to 12
 rows in one pass. Each thread streams one contiguous block of weight rows, prefetching ahead, and multiplies a tile
-of weight vectors with every input row while they are in registers; a row's result is bitwise the same alone or with other rows (see the .cpp).
+of weight vectors with every input row while they are in registers; a row's result is bitwise the same alone or
+with other rows (see the .cpp).
 
 Where it cannot be had (not x86-64, no AVX2+FMA, no compiler, a failed build, VLM_DRAFT_NAS_NATIVE_ROWS=off),
 `available()` is False and small_rows keeps the torch products; a failed build is logged once with the compiler's
@@ -84,12 +85,13 @@ def library_path() -> Path:
     return _build_dir() / f"rows-native-{hashlib.sha1(key.encode()).hexdigest()[:12]}.so"
 
 
-def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    """Compile the kernel into `path` (through a temporary file and a rename)."""
+def _build(path: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> None:
+    """Compile the kernel (`source`: another version of it, for A/B runs) into `path` (through a temporary file and
+    a rename)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([_compiler(), *flags, str(source), "-o", tmp], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError((done.stderr or done.stdout).strip().splitlines()[-1:] or ["compiler failed"])

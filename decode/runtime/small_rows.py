@@ -13,7 +13,7 @@ of the weight from memory, as a forward through the whole model does) and every 
 takes the fastest; the others must beat F.linear by 10% to be taken. A third product joins where the machine can
 build it: decode/runtime/native_rows.py, a native kernel that streams each weight once for all rows (on a 2-core AMD
 EPYC the default target's linear layers took 15 ms for one row against 29 with the best torch product, 14 for four
-against 39, 21 for eight against 88).
+against 39, 17 for eight against 88).
 
 CPU float32 inference calls with 1..SMALL_ROWS rows are candidates. One row too: MKL's one-column product
 (GEMV) streams the weight on one core, and the same row as two identical columns of W @ X runs on all
