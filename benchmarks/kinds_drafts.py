@@ -16,16 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 from pathlib import Path
 
+from decode.drafts.corpus import CORPUS_NAME
 from decode.drafts.kinds import save_training_free
 from decode.drafts.prompt_lookup import LookupSpec
 from decode.targets.loader import load_target
 from nas.export import main as export_main
 
 CONFIG = "draft_config.json"
-CONTENDERS = {"prompt lookup": "lookup", "best neural": "neural", "neural #1 + lookup": "neural-lookup",
-              "EAGLE-like default": "eagle"}  # kinds-table label -> folder
+CONTENDERS = {"prompt lookup": "lookup", "prompt + corpus lookup": "corpus-lookup", "best neural": "neural",
+              "neural #1 + lookup": "neural-lookup", "EAGLE-like default": "eagle"}  # kinds-table label -> folder
 
 
 def _row(rows: list[dict], label: str) -> dict | None:
@@ -64,9 +66,12 @@ def main() -> None:
             argv = ["--supernet", setup["supernet"], "--arch", row["arch"], "--out", str(folder)]
             if row.get("lookup"):
                 lk = LookupSpec(**row["lookup"])
-                argv += ["--lookup", f"{lk.tree_depth}:{lk.max_ngram}:{lk.top_k}:{lk.weak_depth}",
-                         "--merge", row.get("merge", "union")]
+                argv += ["--lookup", f"{lk.tree_depth}:{lk.max_ngram}:{lk.top_k}:{lk.weak_depth}:{lk.corpus_depth}",
+                         "--merge", row.get("merge", "union"), *(["--corpus", summary["corpus"]] if lk.corpus_depth
+                                                                  else [])]
             export_main(argv)
+        if row["kind"] == "prompt-lookup" and row["lookup"].get("corpus_depth"):  # carries the search's corpus
+            shutil.copyfile(summary["corpus"], folder / CORPUS_NAME)
         methods.append(str(folder))
     methods.insert(1, "prompt-lookup")
     methods += ["hf-generate", "hf-lookup:2:2"]

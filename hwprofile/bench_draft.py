@@ -10,8 +10,9 @@ A draft forward over n tokens (decode.drafts.model.DraftModel.forward + the scor
     feat_fc        project_features: (n, f*H) -> (n, H), at level 0 over pending + root, and in accept
     memory_append  accept, cross layers: K/V of the new target feature appended to the memory
 
-Every component is run with the real modules (DraftLayer, DraftKV, DraftModel) at random weights;
-costs do not depend on the values. Shapes come from the search space (heads, ffn, fusion, feature
+Every component is run with the real modules (DraftLayer, DraftKV, DraftModel) at random weights,
+packed as a draft loaded for decoding is (decode/drafts/pack.py); costs do not depend on the
+values. Shapes come from the search space (heads, ffn, fusion, feature
 layer counts, draft vocab) and the grid (widths n, contexts).
 """
 
@@ -25,6 +26,8 @@ import torch
 from decode.arch import DraftArch
 from decode.drafts.blocks import DraftKV, DraftLayer
 from decode.drafts.model import DraftModel, TargetDims
+from decode.drafts.pack import pack_for_decoding
+from decode.runtime.small_rows import linear
 from decode.space import SearchSpace
 from decode.targets.target import TargetModel
 from hwprofile import census
@@ -47,7 +50,9 @@ def _probe_model(target: TargetModel, dims: TargetDims, f: int = 1, vocab: int |
     """A minimal DraftModel whose feat_fc / in_fc / head have the asked-for shape."""
     layers = tuple(range(-1, -f - 1, -1))
     arch = DraftArch(fusion="concat", feature_layers=layers, depth=1, heads=(1,), ffn=(8,), draft_vocab=vocab)
-    return DraftModel(arch, dims).attach(target).eval()
+    model = DraftModel(arch, dims).attach(target).eval()
+    pack_for_decoding(model)  # as a draft loaded for decoding is (bfloat16 linear weights on a CPU)
+    return model
 
 
 class _LayerBench:
@@ -107,6 +112,7 @@ def measure_draft(target: TargetModel, space: SearchSpace, grids: Grids, timer: 
     benches: list[_LayerBench] = []  # keep every bench alive until its cases are timed
     for heads, ffn, cross in product(space.heads, space.ffn, (0, 1)):
         layer = DraftLayer(dims.hidden_size, heads, dims.head_dim, ffn, bool(cross), dims.rms_eps).to(dev, dtype).eval()
+        pack_for_decoding(layer)
         for ctx in grids.contexts:
             bench = _LayerBench(layer, dims, heads, bool(cross), ctx, dev, dtype)
             benches.append(bench)
@@ -126,8 +132,8 @@ def measure_draft(target: TargetModel, space: SearchSpace, grids: Grids, timer: 
         toks = filler_tokens(target, n).to(dev)
         g = torch.randn(n, dims.hidden_size, device=dev, dtype=dtype)
         cases.append(Case(("draft_input", 0, n), lambda t=toks: base.embed(t)))
-        cases.append(Case(("draft_input", 1, n),
-                          lambda t=toks, g=g: base.in_fc(torch.cat([base.embed(t), g.to(dtype)], dim=-1))))
+        cases.append(Case(("draft_input", 1, n),  # DraftModel.forward's input fusion
+                          lambda t=toks, g=g: linear(torch.cat([base.embed(t), g.to(dtype)], -1), base.in_fc.weight)))
     for vocab in vocabs:
         model = _probe_model(target, dims, vocab=None if vocab >= target.vocab_size else vocab)
         for n in grids.widths:

@@ -28,6 +28,7 @@ import torch
 from decode.arch import DraftArch, max_tree_nodes
 from decode.drafts.model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
+from decode.drafts.pack import pack_for_decoding
 from decode.loop.tree import TreePolicy
 from decode.space import SearchSpace
 from decode.targets.target import TargetModel
@@ -52,6 +53,7 @@ class _Probe:
     def __init__(self, target: TargetModel, arch: DraftArch, prompt, pre, timer: Timer, scorer: Table):
         torch.manual_seed(0)
         self.model = DraftModel(arch, TargetDims.of(target)).attach(target, init_head=True).eval()
+        pack_for_decoding(self.model)  # as a draft loaded for decoding is
         self.timer, self.inside_ms = timer, 0.0
         for name in ("forward", "logits", "project_features"):  # instance attributes shadow the methods
             setattr(self.model, name, self._timed(getattr(self.model, name)))

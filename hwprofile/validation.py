@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from decode.drafts.model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
+from decode.drafts.pack import pack_for_decoding
 from decode.errors import UserError
 from decode.loop.tree import TreePolicy
 from decode.prompt import Prompt
@@ -145,6 +146,7 @@ def run_sample(target: TargetModel, arch, prompt: Prompt, cfg: ValidateConfig, t
     """Prefill, start a fresh random-weight draft (same seed every pass), warm up, time cfg.cycles cycles."""
     torch.manual_seed(seed)
     draft_model = DraftModel(arch, TargetDims.of(target)).attach(target, init_head=True).eval()
+    pack_for_decoding(draft_model)  # as a draft loaded for decoding is
     draft = NeuralDraft(draft_model, name="validate")
     pre = target.prefill(prompt, feature_layers=draft.feature_layers, attention_stats=draft.prefill_stats(prompt))
     state = {"root": int(pre.logits[-1].argmax())}

@@ -47,13 +47,17 @@ def distinct_archs(done: pd.DataFrame, top: int) -> list[DraftArch]:
 
 
 def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals, eagle: DraftArch | None,
-               top: int = 3, grid=LOOKUP_GRID, tuned_sweep_of=None, lookup_grid=LOOKUP_ALONE_GRID) -> list[dict]:
+               top: int = 3, grid=LOOKUP_GRID, tuned_sweep_of=None, lookup_grid=LOOKUP_ALONE_GRID,
+               corpus_grid=()) -> list[dict]:
     """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k.
 
     tuned_sweep_of: sweeps of the best subnet after fine-tuning it alone (nas.finetune, on a copy of the
     supernet); adds its rows, alone and merged with lookup, marked "tuned". grid: the lookups merged with
-    neural trees; lookup_grid: the lookups tried alone."""
+    neural trees; lookup_grid: the (plain) lookups tried alone; corpus_grid: lookups with a corpus branch tried
+    alone (a row of their own: plain prompt lookup always keeps its row)."""
     rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(lookup_grid), "label": "prompt lookup"}]
+    if corpus_grid:
+        rows.append({**scorer.best_lookup(corpus_grid), "label": "prompt + corpus lookup"})
     skip = scorer.best_layerskip()
     if skip is not None:
         rows.append({**skip, "label": "layer-skip self-draft"})
@@ -138,7 +142,9 @@ def describe(row: dict) -> str:
         s = row["lookup"]
         rule = f" ({row['merge']})" if row.get("merge") else ""
         weak = f" weak {s['weak_depth']}" if s.get("weak_depth") else ""
-        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}{weak}{rule}")
+        corpus = f" + corpus {s['corpus_depth']}" if s.get("corpus_depth") else ""
+        parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}{weak}{corpus}"
+                     f"{rule}")
     return " + ".join(parts) or "-"
 
 

@@ -51,7 +51,8 @@ class ExportConfig:
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: str | None = None
-    lookup: str | None = None  # "D:M:K[:W]": merge prompt lookup into the draft (kind neural+lookup)
+    lookup: str | None = None  # "D:M:K[:W[:C]]": merge prompt lookup into the draft (kind neural+lookup)
+    corpus: str | None = None  # the corpus file a lookup with a corpus branch (C > 0) carries
     merge: str = "union"  # union | switch (decode/drafts/merged.py)
 
 
@@ -66,13 +67,14 @@ def lookup_extra(text: str | None, merge: str) -> dict:
         raise UserError(f"--merge must be one of {', '.join(RULES)}, got {merge!r}")
     try:
         vals = [int(v) for v in text.split(":")]
-        if len(vals) not in (3, 4):
+        if len(vals) not in (3, 4, 5):
             raise ValueError(text)
-        d, m, k, w = (*vals, 0) if len(vals) == 3 else vals
-        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w)
+        d, m, k, w, c = (*vals, 0, 0, 0)[:5]
+        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w, corpus_depth=c)
     except (ValueError, UserError):
-        raise UserError(f"--lookup must be D:M:K[:W] (branch length, max n-gram, branches, integers >= 1; W: branch "
-                        f"length after a match shorter than M, 0 <= W <= D), got {text!r}") from None
+        raise UserError(f"--lookup must be D:M:K[:W[:C]] (branch length, max n-gram, branches, integers >= 1; W: "
+                        f"branch length after a match shorter than M, 0 <= W <= D; C: corpus branch length, needs "
+                        f"--corpus), got {text!r}") from None
     return {"kind": "neural+lookup", "lookup": asdict(spec), "merge": merge}
 
 
@@ -156,6 +158,8 @@ def export(cfg: ExportConfig) -> Path:
     if cfg.finetune_steps < 0:
         raise UserError(f"--finetune-steps must be >= 0, got {cfg.finetune_steps}")
     extra = lookup_extra(cfg.lookup, cfg.merge)
+    if extra.get("lookup", {}).get("corpus_depth") and (cfg.corpus is None or not Path(cfg.corpus).is_file()):
+        raise UserError("a --lookup with a corpus branch (C > 0) needs --corpus FILE (python -m decode.corpus)")
     state = read_supernet_state(cfg.supernet)
     if cfg.trial is not None:
         arch, meta = trial_record(cfg.storage, cfg.study_name, cfg.trial)
@@ -180,6 +184,12 @@ def export(cfg: ExportConfig) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     export_draft(supernet, arch, target, tmp, meta, extra)  # written beside, then moved into place
+    if extra.get("lookup", {}).get("corpus_depth"):
+        import shutil
+
+        from decode.drafts.corpus import CORPUS_NAME
+
+        shutil.copyfile(cfg.corpus, tmp / CORPUS_NAME)
     replace_dir(tmp, out)
     return out
 
@@ -202,9 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="fine-tuning data (default: the supernet's training data)")
     p.add_argument("--heldout", type=int, default=None,
                    help="last training sequences kept out of fine-tuning (default: the study's / supernet's)")
-    p.add_argument("--lookup", default=None, metavar="D:M:K[:W]",
+    p.add_argument("--lookup", default=None, metavar="D:M:K[:W[:C]]",
                    help="merge prompt lookup into the draft (kind neural+lookup): branch length D, n-grams up to M, "
-                        "K branches, W tokens only after a match shorter than M (default: D), e.g. 4:2:1 or 8:3:1:2")
+                        "K branches, W tokens only after a match shorter than M (default: D), C tokens of a corpus "
+                        "branch (needs --corpus), e.g. 4:2:1, 8:3:1:2 or 4:2:1:0:4")
+    p.add_argument("--corpus", default=None, metavar="FILE",
+                   help="corpus.safetensors (python -m decode.corpus) for a --lookup with a corpus branch")
     p.add_argument("--merge", default="union", help="with --lookup: union (both trees) or switch (lookup when it "
                                                     "matched, else the neural tree); default: union")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                        study_name=args.study_name, storage=args.storage, finetune_steps=args.finetune_steps,
                        finetune_lr=args.finetune_lr, heldout=args.heldout, data=args.data, target=args.target,
                        device=args.device, dtype=args.dtype,
-                       cache_dir=str(args.cache_dir) if args.cache_dir else None, lookup=args.lookup, merge=args.merge)
+                       cache_dir=str(args.cache_dir) if args.cache_dir else None, lookup=args.lookup, merge=args.merge,
+                       corpus=args.corpus)
     path = export(cfg)
     print(path)
     return 0

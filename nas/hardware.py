@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from decode.drafts.pack import cpu_format
 from decode.errors import UserError
 from decode.runtime.small_rows import linear_kernels
 from decode.targets.compat import fingerprint_diff
@@ -67,6 +68,7 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
     checks = [("attention", target.model.config._attn_implementation, "tree attention", "verify costs differ")]
     if profile.device.get("kind") == "cpu":
         checks.append(("linear", linear_kernels(), "few-row linear kernels", "step and verify costs differ"))
+        checks.append(("draft_weights", cpu_format(), "draft weights", "draft level costs differ"))
     for key, have, what, why in checks:
         theirs = profile.versions.get(key)
         if theirs != have:

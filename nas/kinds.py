@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from decode.arch import DraftArch, max_tree_nodes
+from decode.drafts.corpus import NgramCorpus
 from decode.drafts.merged import RULES
-from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, trie
+from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, lookup_trie, trie
 from hwprofile.latency import LatencyModel
 from nas.acceptance import Acceptance
 from nas.treesweep import Expansion, TreeSweep
@@ -56,6 +57,15 @@ LOOKUP_ALONE_GRID = LOOKUP_GRID + tuple(
     LookupSpec(max_ngram=n, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w)
     for n in (2, 3) for d in (4, 8) for k in (1, 2) for w in (1, 2) if (k, w) != (1, 1))
 LAYERSKIP_DEPTHS = (1, 2, 3, 4)  # chain depths tried for the layer-skip self-draft
+# corpus branches (decode/drafts/corpus.py) tried beside single-branch lookups of length 2 and 4, when the search has
+# a corpus: on the 168 demo held-out sequences a 4-token corpus branch took lookup's replayed tau from 1.29 to 1.71
+CORPUS_DEPTHS = (2, 4)
+
+
+def with_corpus(grid: tuple[LookupSpec, ...]) -> tuple[LookupSpec, ...]:
+    """Corpus-branch variants of the grid's single-branch, full-depth lookups of length <= 4."""
+    return tuple(replace(s, corpus_depth=c) for s in grid if s.top_k == 1 and not s.weak_depth and s.tree_depth <= 4
+                 for c in CORPUS_DEPTHS)
 
 
 @dataclass(frozen=True)
@@ -105,16 +115,27 @@ def expected_tokens(seq: dict) -> list[int]:
     return [ids[j] if j == 0 or argmax[j - 1] == ids[j] else -1 for j in range(len(ids))]
 
 
-def lookup_roots(seq: dict, spec: LookupSpec) -> list[RootTrie]:
-    """The lookup trie at every root position p..t-2 of one FeatureData item (index: r - p)."""
+def corpus_chains(seq: dict, corpus: NgramCorpus, depth: int) -> list[list[int]]:
+    """The corpus branch (`depth` tokens at most) at every root position p..t-2 of one FeatureData item (index r - p):
+    it depends on the tokens up to the root only, and a shorter branch is a prefix of a longer one."""
+    ids = seq["input_ids"].tolist()
+    p = int(seq["prompt_len"])
+    return [corpus.chain(ids[max(0, r + 1 - corpus.max_n): r + 1], depth) for r in range(p, len(ids) - 1)]
+
+
+def lookup_roots(seq: dict, spec: LookupSpec, chains: list[list[int]] | None = None) -> list[RootTrie]:
+    """The lookup trie at every root position p..t-2 of one FeatureData item (index: r - p); chains: the corpus
+    branches (corpus_chains) for a spec with corpus_depth > 0."""
     ids = seq["input_ids"].tolist()
     p, cont = int(seq["prompt_len"]), expected_tokens(seq)
     index = NgramIndex(spec.min_ngram, spec.max_ngram)
     index.extend(ids[:p])
+    if spec.corpus_depth and chains is None:
+        raise ValueError("a lookup spec with corpus_depth > 0 needs the corpus branches")
     out = []
     for r in range(p, len(ids) - 1):
-        conts = index.continuations(ids[r], spec.tree_depth, spec.top_k, spec.weak_depth)
-        tree = trie(ids[r], conts, spec.total_tokens)
+        tree = lookup_trie(index, ids[r], spec, spec.tree, spec.top_k,
+                           chain=chains[r - p] if spec.corpus_depth else None)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         node, d = 0, 0
         while r + d + 1 < len(cont):
@@ -197,8 +218,10 @@ class KindScorer:
     """Replays and predicted speed-ups of every kind on one set of held-out sequences and one profile."""
 
     def __init__(self, sequences, latency: LatencyModel | None, context: float = 512.0,
-                 lookup_ms: float | None = None, early_exit: EarlyExit | None = None):
-        """latency None: replays only (no speed-ups); early_exit None: no layer-skip rows."""
+                 lookup_ms: float | None = None, early_exit: EarlyExit | None = None,
+                 corpus: NgramCorpus | None = None, corpus_ms: float | None = None):
+        """latency None: replays only (no speed-ups); early_exit None: no layer-skip rows; corpus None: no corpus
+        branches (lookup specs with corpus_depth > 0 are refused); corpus_ms: its host time per drafted token."""
         self.seqs = list(sequences)
         self.bounds = [(int(s["prompt_len"]), s["input_ids"].numel()) for s in self.seqs]
         self.conts = [expected_tokens(s) for s in self.seqs]
@@ -206,13 +229,34 @@ class KindScorer:
         self.lookup_ms = (0.0 if latency is None else measure_lookup_ms(int(context))) if lookup_ms is None \
             else lookup_ms
         self._roots: dict[LookupSpec, list[list[RootTrie]]] = {}
+        self.corpus = corpus
+        self._chains: list[list[list[int]]] | None = None  # per sequence and root: the corpus branch (deepest)
+        self.corpus_ms = (0.0 if latency is None or corpus is None else measure_corpus_ms(corpus)) \
+            if corpus_ms is None else corpus_ms
         self.early_exit = early_exit
         self._exits: dict[int, list[list[int]]] = {}
 
     def roots(self, spec: LookupSpec) -> list[list[RootTrie]]:
         if spec not in self._roots:
-            self._roots[spec] = [lookup_roots(s, spec) for s in self.seqs]
+            if spec.corpus_depth and self.corpus is None:
+                raise ValueError("lookup spec with a corpus branch, but the scorer has no corpus")
+            if spec.corpus_depth and self._chains is None:
+                self._chains = [corpus_chains(s, self.corpus, max(CORPUS_DEPTHS)) for s in self.seqs]
+            self._roots[spec] = [lookup_roots(s, spec, self._chains[i] if spec.corpus_depth else None)
+                                 for i, s in enumerate(self.seqs)]
         return self._roots[spec]
+
+    def lookup_cost_ms(self, spec: LookupSpec) -> float:
+        """Host time of one lookup proposal: the n-gram index and trie, plus the corpus branch's tokens."""
+        return self.lookup_ms + spec.corpus_depth * self.corpus_ms
+
+    def grids(self) -> tuple[tuple[LookupSpec, ...], tuple[LookupSpec, ...]]:
+        """(lookups merged with neural trees, corpus lookups tried alone): with a corpus, the merged grid has the
+        corpus-branch variants too; without one there are no corpus lookups."""
+        if self.corpus is None:
+            return LOOKUP_GRID, ()
+        more = with_corpus(LOOKUP_GRID)
+        return LOOKUP_GRID + more, more
 
     def _speedup(self, rep: Replay, fixed_ms: float) -> tuple[float, float]:
         """(speed-up, mean cycle ms): fixed_ms per cycle + the profile's verify(n) of each cycle's own n."""
@@ -231,7 +275,8 @@ class KindScorer:
                                         roots[i][r - self.bounds[i][0]].size(md)), max_new_tokens)
 
     def lookup(self, spec: LookupSpec, max_new_tokens: int | None = None) -> dict:
-        return self._row("prompt-lookup", self.replay_lookup(spec, max_new_tokens), self.lookup_ms, lookup=spec)
+        return self._row("prompt-lookup", self.replay_lookup(spec, max_new_tokens), self.lookup_cost_ms(spec),
+                         lookup=spec)
 
     def replay_neural(self, arch: DraftArch, sweep: TreeSweep, lookup: LookupSpec | None = None,
                       max_new_tokens: int | None = None, rule: str = "union") -> Replay:
@@ -263,7 +308,8 @@ class KindScorer:
         rep = self.replay_neural(arch, sweep, lookup, max_new_tokens, rule)
         parts = self.latency.breakdown(arch, accepted=rep.acceptance.tau, context=self.context)
         share = rep.drafted / max(1, rep.acceptance.cycles)  # cycles that ran the neural draft
-        fixed = share * (parts["total"] - parts["verify"]) + (self.lookup_ms if lookup is not None else 0.0)
+        own = self.lookup_cost_ms(lookup) if lookup is not None else 0.0
+        fixed = share * (parts["total"] - parts["verify"]) + own
         row = self._row("neural+lookup" if lookup is not None else "neural", rep, fixed, arch=arch, lookup=lookup)
         if lookup is not None:
             row["merge"] = rule
@@ -341,6 +387,19 @@ class KindScorer:
                         if best is None or row["speedup"] > best["speedup"]:
                             best = row
         return best
+
+
+def measure_corpus_ms(corpus: NgramCorpus, repeats: int = 200, seed: int = 0) -> float:
+    """Host time per token of the corpus branch (NgramCorpus.chain over random contexts), median."""
+    rng = random.Random(seed)
+    vocab = int(corpus.info.vocab_size)
+    times = []
+    for _ in range(repeats):
+        ctx = [rng.randrange(vocab) for _ in range(corpus.max_n)]
+        t0 = time.perf_counter()
+        corpus.next_of(ctx)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000.0
 
 
 def measure_lookup_ms(context: int, repeats: int = 200, seed: int = 0) -> float:

@@ -77,6 +77,8 @@ class SearchConfig:
     pareto: bool = False
     tree: str = "best"  # best: tree depth/total_tokens chosen per arch for the device; sampled: by the sampler
     sweep_cache: str | None = None  # stored tree sweeps (None: tau-sweeps/ beside the supernet; "none": off)
+    corpus: str | None = None  # corpus lookup's n-grams: a corpus file or a draft folder with one; None: the
+    #                            pipeline's (ShareGPT train answers + own answers; none with --supernet); "none": off
     context: int | None = None
     scale: str = "demo"
     finetune_steps: int | None = None  # None: the scale's nas.finetune_steps (0: none)
@@ -105,6 +107,13 @@ class SearchConfig:
             raise UserError(f"--finetune-steps must be >= 0, got {self.finetune_steps}")
         if self.trial_sequences is not None and self.trial_sequences < 0:
             raise UserError(f"--trial-sequences must be >= 0 (0: all), got {self.trial_sequences}")
+        if self.corpus not in (None, "none"):
+            from decode.drafts.corpus import CORPUS_NAME
+
+            path = Path(self.corpus) / CORPUS_NAME if Path(self.corpus).is_dir() else Path(self.corpus)
+            if not path.is_file():
+                raise UserError(f"--corpus {self.corpus}: no corpus file there; build one with python -m decode.corpus "
+                                "or pass 'none'")
 
 
 @dataclass
@@ -144,10 +153,13 @@ class Inputs:
     trial_seqs: list[dict] = field(default_factory=list)  # the held-out sequences trials score on
     tuned: tuple | None = None  # (supernet copy, info) after fine-tuning the best subnet alone (finetune_best)
     finetune_data: str | None = None  # extra fine-tuning data (the target's own answers), read with the training data
+    corpus: object | None = None  # the NgramCorpus of corpus-lookup branches (decode/drafts/corpus.py), None: none
+    corpus_path: str | None = None  # its file (exported with a design that uses it)
 
 
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
     """Target, supernet (from the pipeline when not given), space, held-out sequences, latency profile."""
+    from decode.drafts.corpus import CORPUS_NAME, NgramCorpus
     from decode.space import SearchSpace
     from decode.targets.loader import load_target
     from nas import pipeline
@@ -201,8 +213,15 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     if finetune_data is None and cfg.supernet is None and steps:  # the pipeline: the scale's own answers, if any
         built_ft = pipeline.finetune_data_stage(pcfg, target)
         finetune_data = str(built_ft) if built_ft is not None else None
+    corpus_path = None
+    if cfg.corpus not in (None, "none"):  # a corpus file, or a draft folder holding one
+        corpus_path = Path(cfg.corpus) / CORPUS_NAME if Path(cfg.corpus).is_dir() else Path(cfg.corpus)
+    elif cfg.corpus is None and cfg.supernet is None:  # the pipeline: ShareGPT train answers + the target's own
+        corpus_path = pipeline.corpus_stage(pcfg, target, [Path(finetune_data)] if finetune_data else [])
+    corpus = NgramCorpus.load(corpus_path, vocab_size=target.vocab_size) if corpus_path is not None else None
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults,
-                  trial_seqs, finetune_data=finetune_data)
+                  trial_seqs, finetune_data=finetune_data, corpus=corpus,
+                  corpus_path=str(corpus_path) if corpus_path is not None else None)
 
 
 def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3) -> int:
@@ -255,10 +274,11 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
 
     kind = best.get("kind", "neural")
     tmp = out / f".draft.tmp{os.getpid()}"
+    lookup = LookupSpec(**best["lookup"]) if best.get("lookup") else None
     if kind in TRAINING_FREE:
-        lookup = LookupSpec(**best["lookup"]) if best.get("lookup") else None
         skip = (best["layerskip"]["layers"], best["layerskip"]["tree_depth"]) if best.get("layerskip") else None
         save_training_free(tmp, kind, inp.target, lookup, meta, layerskip=skip)
+        _with_corpus(tmp, lookup, inp)
         replace_dir(tmp, out / "draft")
         return out / "draft"
     extra = {"kind": kind, **({"lookup": best["lookup"], "merge": best.get("merge", "union")}
@@ -268,8 +288,19 @@ def export_best(cfg: SearchConfig, inp: Inputs, best: dict, meta: dict, out: Pat
     if best.get("tuned"):
         net, meta["finetune"] = inp.tuned
     export_draft(net, arch, inp.target, tmp, meta, extra)
+    _with_corpus(tmp, lookup, inp)
     replace_dir(tmp, out / "draft")
     return out / "draft"
+
+
+def _with_corpus(folder: Path, lookup, inp: Inputs) -> None:
+    """A design with a corpus branch carries its corpus (decode.drafts.kinds loads DIR/corpus.safetensors)."""
+    import shutil
+
+    from decode.drafts.corpus import CORPUS_NAME
+
+    if lookup is not None and lookup.corpus_depth:
+        shutil.copyfile(inp.corpus_path, folder / CORPUS_NAME)
 
 
 def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None):
@@ -322,7 +353,8 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         source = SweepTau(inp.supernet, inp.trial_seqs, inp.target.num_layers, depth, store=sweep_store(cfg, inp),
                           store_key=sweep_key(inp, inp.trial_seqs))
     early_exit = EarlyExit.of(inp.target)
-    scorer = KindScorer(inp.trial_seqs, latency, context, early_exit=early_exit)
+    scorer = KindScorer(inp.trial_seqs, latency, context, early_exit=early_exit, corpus=inp.corpus)
+    grid, corpus_grid = scorer.grids()
     tuned_net = tuned_sweep = None
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
     if steps and not done.empty:
@@ -332,7 +364,7 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         tuned_sweep = SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
                       eagle_like(inp.space, inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
-                      tuned_sweep_of=tuned_sweep)
+                      grid=grid, tuned_sweep_of=tuned_sweep, corpus_grid=corpus_grid)
     if len(inp.held.sequences) > len(inp.trial_seqs):
         logger.info("confirming %d designs on all %d held-out sequences (picked on %d)", len(rows),
                     len(inp.held.sequences), len(inp.trial_seqs))
@@ -340,7 +372,8 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         whole = SweepTau(inp.supernet, every, inp.target.num_layers, 1, store=sweep_store(cfg, inp),
                          store_key=sweep_key(inp, every))  # depth 1: each sweep as deep as its rows' trees
         tuned_whole = SweepTau(tuned_net, every, inp.target.num_layers, 1).sweep if tuned_net is not None else None
-        whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit)
+        whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit,
+                                  corpus=inp.corpus, corpus_ms=scorer.corpus_ms)
         rows = confirm_rows(rows, whole_scorer, whole.sweep, tuned_whole)
     chosen = choose(rows)
     text = format_table(rows, chosen, hardware)
@@ -494,7 +527,7 @@ def run_search(cfg: SearchConfig) -> SearchResult:
     complete = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.get_trials(deepcopy=False))
     summary = {"config": asdict(cfg), "study": study_name, "storage": url, "setup": setup, "best": best,
                "draft": str(draft) if draft else None, "command": command, "bench_command": bench,
-               "tau_cache_hits": tau.hits,
+               "corpus": inp.corpus_path, "tau_cache_hits": tau.hits,
                "sweeps_loaded": getattr(source, "loaded", 0),
                "trials_complete": complete, "kinds": rows, "chosen": chosen}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
@@ -552,6 +585,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trial-sequences", type=int, default=None, metavar="N",
                    help="trials score archs on the first N held-out sequences (image share kept); the contenders of "
                         "the final table are confirmed on all of them (default: the scale's, 6 at demo scale; 0: all)")
+    p.add_argument("--corpus", default=None, metavar="FILE|DIR|none",
+                   help="n-grams for corpus-lookup branches (decode/drafts/corpus.py): a corpus.safetensors or a "
+                        "draft folder holding one (python -m decode.corpus); default: the pipeline's, counted from "
+                        "every train-split ShareGPT answer and the target's own answers (none with --supernet); "
+                        "'none': no corpus branches")
     p.add_argument("--no-export", action="store_true", help="do not export the best draft")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="auto", help="float32|bfloat16|float16|auto")
@@ -578,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
         pareto=args.pareto, tree=args.tree, sweep_cache=args.sweep_cache, context=args.context, scale=args.scale,
         finetune_steps=args.finetune_steps, finetune_data=args.finetune_data, trial_sequences=args.trial_sequences,
-        runtime=args.runtime,
+        runtime=args.runtime, corpus=args.corpus,
         export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     res = run_search(cfg)
     print(f"study {res.study_name} ({res.storage}): {res.trials_run} trials run, {res.total_complete} finished in all")

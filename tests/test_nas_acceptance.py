@@ -219,3 +219,49 @@ def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
     lo2, hi2 = many.tau_interval()
     assert lo2 <= many.acceptance.tau <= hi2 and (hi2 - lo2) < (hi - lo) / 3
     assert Replay([(4, 4)]).tau_interval() == (1.0, 1.0)
+
+
+def test_corpus_lookup_replay_equals_real_decoding(trained):
+    """Lookup with a corpus branch (decode/drafts/corpus.py), alone and merged with a neural subnet: the replay gives
+    real decoding's cycles, tokens, accepted-length histogram and tree sizes, and the corpus branch accepts tokens."""
+    from collections import Counter
+
+    from decode.drafts import LookupSpec, MergedDraft, PromptLookupDraft
+    from decode.drafts.corpus import NgramCorpus
+    from nas.kinds import KindScorer
+    from nas.treesweep import TreeSweep
+
+    target, model, seqs = trained
+    # a corpus that knows half of every answer (a test needs hits) among random token sequences
+    rng = random.Random(0)
+    answers = [s["input_ids"][int(s["prompt_len"]):].tolist() for s in seqs]
+    corpus = NgramCorpus.build([a[: len(a) // 2] for a in answers] +
+                               [[rng.randrange(target.vocab_size) for _ in range(40)] for _ in range(20)],
+                               target.vocab_size)
+    scorer = KindScorer(seqs, latency=None, corpus=corpus)
+    arch = replace(model.space.largest(model.entropy_layer), tree_depth=1, top_k=1, total_tokens=1)
+    sweep = TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, top_k=1, max_depth=1)
+    sub = model.extract(arch, target)
+    corpus_hits = 0
+    for spec in (LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4),
+                 LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, corpus_depth=2)):
+        plain = replace(spec, corpus_depth=0)
+        for merged in (False, "union", "switch"):
+            rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
+            cycles, hist, sizes = 0, Counter(), Counter()
+            for item, seq in zip(ITEMS, seqs):
+                p = int(seq["prompt_len"])
+                draft = MergedDraft(NeuralDraft(sub), spec, merged, corpus=corpus) if merged else \
+                    PromptLookupDraft(spec=spec, corpus=corpus)
+                policy = TreePolicy(spec=arch.tree if merged else spec.tree)
+                real = speculative_generate(target, draft, target.build_prompt(item.text, item.image),
+                                            seq["input_ids"].numel() - p, policy=policy)
+                assert real.tokens == seq["input_ids"][p:].tolist()
+                cycles += real.cycles
+                hist.update(real.accept_hist)
+                sizes.update(real.tree_sizes)
+            assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (spec, merged)
+        with_corpus, without = scorer.replay_lookup(spec).acceptance.tau, scorer.replay_lookup(plain).acceptance.tau
+        assert with_corpus >= without - 1e-9  # the corpus branch only adds nodes
+        corpus_hits += with_corpus > without
+    assert corpus_hits > 0  # the corpus branch accepted tokens lookup alone did not

@@ -21,6 +21,7 @@ from decode.drafts.merged import MergedDraft
 from decode.drafts.model import DraftModel, TargetDims
 from decode.drafts.neural import NeuralDraft
 from decode.drafts.none import NoDraft
+from decode.drafts.pack import pack_for_decoding
 from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
 from decode.errors import UserError
 
@@ -79,6 +80,7 @@ def make_draft(spec: str, target, seed: int = 0) -> Draft:
 
         torch.manual_seed(seed)
         model = DraftModel(random_arch(target, fusion), TargetDims.of(target)).attach(target, init_head=True).eval()
+        pack_for_decoding(model)  # as a loaded checkpoint is
         return NeuralDraft(model, name=spec)
     if Path(spec).is_dir():
         return load_draft_dir(spec, target)

@@ -19,11 +19,13 @@ from pathlib import Path
 
 from decode.arch import TreeSpec
 from decode.drafts.base import Draft
+from decode.drafts.corpus import CORPUS_NAME, NgramCorpus
 from decode.drafts.layerskip import LayerSkipDraft
 from decode.drafts.merged import MergedDraft
 from decode.drafts.model import CONFIG_NAME, DraftModel
 from decode.drafts.neural import NeuralDraft
 from decode.drafts.none import NoDraft
+from decode.drafts.pack import pack_for_decoding
 from decode.drafts.prompt_lookup import LookupSpec, PromptLookupDraft
 from decode.errors import UserError
 
@@ -75,6 +77,17 @@ def layerskip_settings(config: dict, where: str) -> tuple[int, int]:
     return raw["layers"], raw["tree_depth"]
 
 
+def load_corpus(directory: str | Path, spec: LookupSpec, target) -> NgramCorpus | None:
+    """DIR/corpus.safetensors when the lookup settings use a corpus branch (None otherwise)."""
+    if not spec.corpus_depth:
+        return None
+    path = Path(directory) / CORPUS_NAME
+    if not path.is_file():
+        raise UserError(f"{directory}: its lookup has corpus_depth {spec.corpus_depth} but no {CORPUS_NAME}; "
+                        "export it again or build one with python -m decode.corpus")
+    return NgramCorpus.load(path, vocab_size=target.vocab_size)
+
+
 def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> Draft:
     """The draft a checkpoint directory holds; with_lookup merges lookup into a neural one (DIR+lookup)."""
     config = read_config(directory)
@@ -83,13 +96,19 @@ def load_draft_dir(directory: str | Path, target, with_lookup: bool = False) -> 
         if kind == "layerskip":
             k, depth = layerskip_settings(config, str(directory))
             draft = LayerSkipDraft(k, TreeSpec(tree_depth=depth, top_k=1, total_tokens=depth))
+        elif kind == "none":
+            draft = NoDraft()
         else:
-            draft = NoDraft() if kind == "none" else PromptLookupDraft(spec=lookup_spec(config, str(directory)))
+            spec = lookup_spec(config, str(directory))
+            draft = PromptLookupDraft(spec=spec, corpus=load_corpus(directory, spec, target))
         draft.name = f"{name}:{kind}"
         return draft
-    neural = NeuralDraft(DraftModel.from_pretrained(directory, target), name=name)
+    model = DraftModel.from_pretrained(directory, target)
+    pack_for_decoding(model)  # bfloat16 linear weights where the CPU kernel reads them (float32 on disk)
+    neural = NeuralDraft(model, name=name)
     if kind == "neural+lookup":
-        return MergedDraft(neural, lookup_spec(config, str(directory)), str(config.get("merge", "union")))
+        spec = lookup_spec(config, str(directory))
+        return MergedDraft(neural, spec, str(config.get("merge", "union")), load_corpus(directory, spec, target))
     return MergedDraft(neural) if with_lookup else neural
 
 

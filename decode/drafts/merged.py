@@ -29,11 +29,11 @@ class MergedDraft(Draft):
     match (the neural draft is not run that cycle: it catches up on the accepted tokens next time), the
     neural tree otherwise. Union accepts more, switch verifies and drafts less; the search picks."""
 
-    def __init__(self, neural: Draft, lookup: LookupSpec = LookupSpec(), rule: str = "union"):
+    def __init__(self, neural: Draft, lookup: LookupSpec = LookupSpec(), rule: str = "union", corpus=None):
         if rule not in RULES:
             raise UserError(f"merge rule must be one of {', '.join(RULES)}, got {rule!r}")
         self.neural, self.rule = neural, rule
-        self.lookup = PromptLookupDraft(spec=lookup)
+        self.lookup = PromptLookupDraft(spec=lookup, corpus=corpus)  # corpus: an NgramCorpus for corpus_depth > 0
         self.name = f"{neural.name}+lookup" + ("" if rule == "union" else f"-{rule}")
         self.feature_layers = neural.feature_layers
         self.attention_stats = neural.attention_stats
@@ -43,7 +43,8 @@ class MergedDraft(Draft):
         return self.neural.networks()
 
     def max_nodes(self, policy) -> int:
-        return self.neural.max_nodes(policy) + self.lookup.spec.total_tokens  # both trees whole, one shared root
+        # both trees whole (the lookup trie with its corpus branch), one shared root
+        return self.neural.max_nodes(policy) + self.lookup.spec.total_tokens + self.lookup.spec.corpus_depth
 
     def warm(self, policy, widest=None, root_rows=None) -> list[int]:
         # the neural root level also feeds the tokens the cycles since the draft last ran emitted: union runs it every
@@ -51,7 +52,7 @@ class MergedDraft(Draft):
         # run of those queues up any number (measured: a bucket compiled inside a timed generation made the compiled
         # designed draft's drafting 4.6x its eager time); every root bucket is compiled (more rows run eagerly)
         if root_rows is None:
-            after_lookup = policy.widest_level() + self.lookup.spec.total_tokens + 1
+            after_lookup = policy.widest_level() + self.lookup.spec.total_tokens + self.lookup.spec.corpus_depth + 1
             root_rows = DRAFT_BUCKETS[-1] if self.rule == "switch" else after_lookup
         return self.neural.warm(policy, widest, root_rows)
 

@@ -164,9 +164,15 @@ class DraftModel(nn.Module):
         The supernet overrides it with the leading rows of its active draft_vocab."""
         return (self.head.weight, self.d2t) if self.own_head else None
 
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype of the draft's activations: its norms' (a draft packed for CPU decoding keeps float32 activations
+        through bfloat16 linear weights, decode/drafts/pack.py)."""
+        return self.norm.weight.dtype
+
     def project_features(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, F*H) concatenated target features -> (n, H)."""
-        return linear(feats.to(self.feat_fc.weight.dtype), self.feat_fc.weight, self.feat_fc.bias)
+        return linear(feats.to(self.act_dtype), self.feat_fc.weight, self.feat_fc.bias)
 
     def add_memory(self, cache: DraftKV, mem: torch.Tensor, positions: torch.Tensor) -> None:
         """Append projected target features (m, H) at target positions (m,) to the cross memory."""

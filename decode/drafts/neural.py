@@ -119,7 +119,7 @@ class NeuralDraft(ModelDraft):
     def _begin(self, root: int, capacity: int, device: torch.device) -> None:
         self.slots = TentativeSlots(root_committed=True, capacity=capacity, device=device)
         self.hidden_of = torch.zeros(capacity, self.model.dims.hidden_size, device=device,
-                                     dtype=self.model.feat_fc.weight.dtype)  # node -> its draft hidden
+                                     dtype=self.model.act_dtype)  # node -> its draft hidden
         self.first_level = True  # a proposal's first call feeds the root
 
     def _node_logits(self, nodes, tokens, parents) -> torch.Tensor:

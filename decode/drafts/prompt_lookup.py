@@ -15,11 +15,16 @@ How far: tree_depth tokens after a match of the longest n-gram size (max_ngram),
 (when set) after a shorter one. A one- or two-token match is often a coincidence (a common word), and
 every proposed token costs verification; a full-size match is usually a copied span worth proposing far.
 The branch length still depends on the history only, so the search's per-root replay stays exact.
+
+Corpus lookup: with a corpus (decode/drafts/corpus.py, an n-gram model of many answers) and corpus_depth > 0, a
+branch of that many tokens drafted from the corpus joins the trie (shared prefixes merged, room of its own): it
+finds the stock phrasing of answers that the prompt does not hold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +32,9 @@ from decode.arch import TreeSpec
 from decode.drafts.base import Draft
 from decode.errors import UserError
 from decode.loop.tree import DraftTree
+
+if TYPE_CHECKING:
+    from decode.drafts.corpus import NgramCorpus
 
 
 @dataclass(frozen=True)
@@ -39,11 +47,14 @@ class LookupSpec:
     top_k: int = 1  # branches: distinct matches merged into one trie
     total_tokens: int = 8  # trie nodes kept (the root excluded)
     weak_depth: int = 0  # branch length after a match shorter than max_ngram (0: tree_depth as well)
+    corpus_depth: int = 0  # a corpus n-gram branch of this length beside the trie (decode/drafts/corpus.py); 0: none
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise UserError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
         TreeSpec(self.tree_depth, self.top_k, self.total_tokens)  # validates the tree fields
+        if self.corpus_depth < 0:
+            raise UserError(f"prompt lookup needs corpus_depth >= 0, got {self.corpus_depth}")
         if not 0 <= self.weak_depth <= self.tree_depth:
             raise UserError(f"prompt lookup needs 0 <= weak_depth <= tree_depth, got {self.weak_depth} "
                             f"(tree_depth {self.tree_depth})")
@@ -58,15 +69,17 @@ class LookupSpec:
         return cls(**known)
 
 
-def trie(root: int, conts: list[list[int]], total_tokens: int) -> DraftTree:
-    """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes."""
+def trie(root: int, conts: list[list[int]], total_tokens: int, extra: list[int] | None = None) -> DraftTree:
+    """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes; `extra`
+    (a corpus branch) is merged in last with room of its own (at most len(extra) nodes more)."""
     tokens, parents, depths = [root], [-1], [0]
     child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    for cont in conts:
+    for j, cont in enumerate(conts + ([extra] if extra else [])):
+        cap = total_tokens + (len(extra) if extra and j == len(conts) else 0)
         node = 0
         for tok in cont:
             if (node, tok) not in child:
-                if len(tokens) - 1 >= total_tokens:
+                if len(tokens) - 1 >= cap:
                     break
                 tokens.append(tok)
                 parents.append(node)
@@ -114,13 +127,36 @@ class NgramIndex:
         return []
 
 
+def lookup_trie(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,
+                corpus: "NgramCorpus | None" = None, chain: list[int] | None = None) -> DraftTree:
+    """Lookup's proposal at `root` after the history `index` holds: the trie of up to `top_k` continuations (tree's
+    depth and node cap) and, with a corpus and spec.corpus_depth, the corpus's greedy branch beside it (`chain`: that
+    branch computed already, at least corpus_depth long where the corpus allows). The one function both the draft and
+    the search's replay (nas/kinds.py) call, so the replay is exact."""
+    conts = index.continuations(root, tree.tree_depth, top_k, spec.weak_depth)
+    extra = None
+    if spec.corpus_depth and (chain is not None or corpus is not None):
+        extra = chain if chain is not None else corpus.chain(index.seq[-corpus.max_n:] + [root], spec.corpus_depth)
+        extra = extra[: spec.corpus_depth]
+    return trie(root, conts, tree.total_tokens, extra)
+
+
 class PromptLookupDraft(Draft):
+    """Prompt lookup; with a corpus (decode/drafts/corpus.py) and spec.corpus_depth > 0, corpus lookup beside it."""
+
     name = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, spec: LookupSpec | None = None):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, spec: LookupSpec | None = None,
+                 corpus: "NgramCorpus | None" = None):
         self.spec = spec or LookupSpec(max_ngram=max_ngram, min_ngram=min_ngram)
+        if self.spec.corpus_depth and corpus is None:
+            raise UserError("a lookup with corpus_depth > 0 needs a corpus (corpus.safetensors in the draft folder)")
+        self.corpus = corpus if self.spec.corpus_depth else None
         self.default_tree = self.spec.tree
         self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
+
+    def max_nodes(self, policy) -> int:
+        return policy.spec.total_tokens + self.spec.corpus_depth + 1  # the trie, the corpus branch, the root
 
     def start(self, target, prompt, prefill) -> None:
         self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
@@ -130,8 +166,9 @@ class PromptLookupDraft(Draft):
         self.index.extend(path_tokens)
 
     def lookup_tree(self, root: int, spec: TreeSpec, chain: bool = False) -> DraftTree:
-        conts = self.index.continuations(root, spec.tree_depth, 1 if chain else spec.top_k, self.spec.weak_depth)
-        return trie(root, conts, spec.total_tokens)
+        if chain:  # one path: the trie's best continuation only
+            return lookup_trie(self.index, root, self.spec, spec, 1)
+        return lookup_trie(self.index, root, self.spec, spec, spec.top_k, self.corpus)
 
     def propose(self, root, policy, sampling, generator) -> DraftTree:
         return self.lookup_tree(root, policy.spec, chain=policy.kind == "chain")

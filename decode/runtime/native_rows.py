@@ -106,6 +106,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.vlm_rows_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.vlm_rows_linear.restype = ctypes.c_int
+    if hasattr(lib, "vlm_rows_linear_bf16"):  # absent from builds of older sources (benchmarks/native_kernel_ab.py)
+        lib.vlm_rows_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        lib.vlm_rows_linear_bf16.restype = ctypes.c_int
     lib.vlm_rows_lanes.restype = ctypes.c_int
     return lib
 
@@ -138,14 +141,15 @@ def lanes() -> int:
 
 
 def rows_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x2 (rows, in) @ weight (out, in)^T -> (rows, out), float32 CPU tensors; call only when available()."""
+    """x2 (rows, in) @ weight (out, in)^T -> (rows, out): float32 CPU x2 and result, a float32 or bfloat16 weight
+    (widened exactly as it is read: half the bytes streamed); call only when available()."""
     lib = _library()
     x2 = x2.contiguous()
     weight = weight.contiguous()  # nn.Linear weights already are: no copy
     rows, n_in = x2.shape
     y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    if lib.vlm_rows_linear(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n_in, weight.shape[0],
-                           torch.get_num_threads()) != 0:
+    fn = lib.vlm_rows_linear_bf16 if weight.dtype == torch.bfloat16 else lib.vlm_rows_linear
+    if fn(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n_in, weight.shape[0], torch.get_num_threads()) != 0:
         raise ValueError(f"native rows kernel refused shapes x {tuple(x2.shape)}, weight {tuple(weight.shape)}")
     return y
 
@@ -160,7 +164,7 @@ _OPS.impl("rows_linear", rows_linear, "CPU")
 
 @torch.library.register_fake("vlm_draft_nas::rows_linear")
 def _(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x2.new_empty(x2.shape[0], weight.shape[0])
+    return x2.new_empty(x2.shape[0], weight.shape[0])  # x2's dtype: float32 whatever the weight's
 
 
 rows_linear_op = torch.ops.vlm_draft_nas.rows_linear.default

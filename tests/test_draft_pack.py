@@ -1,0 +1,148 @@
+"""Drafts packed for CPU decoding (decode/drafts/pack.py): bfloat16 linear weights read by the native kernel.
+
+The kernel's bfloat16 path is the float32 path on the widened weight, bit for bit (same fused multiply-adds), in both
+vector builds; small_rows.linear takes float32 inputs through bfloat16 weights for any row count; a loaded or random
+draft is packed (its own linears only, never the target's shared embedding and head) unless
+VLM_DRAFT_NAS_DRAFT_WEIGHTS=fp32; decoding with a packed draft stays lossless on both runtimes; CPU profiles record the
+format and a profile timed with the other one is stale. CI machines are x86-64 with g++: the kernel must build there,
+so these tests fail (not skip) when it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_prompt, tiny_target
+
+from decode.drafts import make_draft
+from decode.drafts.model import DraftModel
+from decode.drafts.pack import ENV, cpu_format, pack_for_decoding, weight_format
+from decode.loop.speculative import speculative_generate
+from decode.loop.vanilla import vanilla_generate
+from decode.runtime import native_rows, small_rows
+
+pytestmark = pytest.mark.skipif(native_rows.unavailable_reason() is not None,
+                                reason=f"native kernel not possible here: {native_rows.unavailable_reason()}")
+
+
+def _bf16_product(lib):
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.shape[0])
+        assert lib.vlm_rows_linear_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), *x.shape, w.shape[0], 2) == 0
+        return y
+    return product
+
+
+def _check_bf16(product, float_product, rows: int, n_in: int, n_out: int) -> None:
+    g = torch.Generator().manual_seed(rows * 31 + n_in + n_out)
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    x = torch.randn(rows, n_in, generator=g)
+    y = product(x, w)
+    # the widened weight through the float32 kernel: the same multiply-adds in the same order, so the same bits
+    assert torch.equal(y, float_product(x, w.float()))
+    torch.testing.assert_close(y, x @ w.float().T, rtol=1e-5, atol=1e-5 + 1e-7 * n_in)
+    alone = torch.cat([product(x[i:i + 1], w) for i in range(rows)])
+    assert torch.equal(y, alone)  # a row's values do not depend on the other rows
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 12, 13])
+@pytest.mark.parametrize("n_in,n_out", [(64, 48), (37, 3), (576, 16384 // 8), (1536, 7)])
+def test_bf16_weights_are_the_float32_kernel_on_the_widened_weight(rows, n_in, n_out):
+    assert native_rows.available(), "the kernel did not build on a machine that has a compiler and AVX2"
+    _check_bf16(native_rows.rows_linear, native_rows.rows_linear, rows, n_in, n_out)
+
+
+def test_the_avx2_build_agrees_for_bf16_weights(tmp_path):
+    path = tmp_path / "rows-avx2.so"
+    native_rows._build(path, native_rows.FLAGS + ("-mno-avx512f",))
+    lib = native_rows.load(path)
+    assert lib.vlm_rows_lanes() == 8
+
+    def float_product(x, w):
+        y = torch.empty(x.shape[0], w.shape[0])
+        assert lib.vlm_rows_linear(x.data_ptr(), w.data_ptr(), y.data_ptr(), *x.shape, w.shape[0], 2) == 0
+        return y
+
+    for rows, n_in, n_out in [(1, 37, 5), (3, 40, 7), (5, 64, 48), (9, 576, 130)]:
+        _check_bf16(_bf16_product(lib), float_product, rows, n_in, n_out)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+def test_small_rows_linear_takes_bf16_weights_with_float32_inputs(rows):
+    """Few rows go through the native kernel, more (a draft's first forward over a prompt) through F.linear on the
+    widened weight: float32 out either way, the same values."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(1, rows, 96, generator=g)
+    y = small_rows.linear(x, w, bias)
+    assert y.dtype == torch.float32 and y.shape == (1, rows, 40)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float(), bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_loaded_draft_is_packed_and_its_checkpoint_stays_float32(tmp_path, monkeypatch):
+    target = tiny_target("tiny-llama")
+    draft = make_draft("random:concat", target)
+    model = draft.model
+    assert weight_format(model) == "bf16"
+    own = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert own and all(m.weight.dtype == torch.bfloat16 for m in own)
+    assert model.norm.weight.dtype == torch.float32 and model.act_dtype == torch.float32
+    # the target's shared embedding and LM head are the target's: never packed
+    assert target.lm_head.weight.dtype == torch.float32
+    assert target.decoder.embed_tokens.weight.dtype == torch.float32
+
+    fresh = DraftModel(model.arch, model.dims).attach(target, init_head=True).eval()
+    fresh.save_pretrained(tmp_path / "d", target)
+    loaded = make_draft(str(tmp_path / "d"), target)
+    assert weight_format(loaded.model) == "bf16"
+    from safetensors.torch import load_file
+    assert all(t.dtype != torch.bfloat16 for t in load_file(str(tmp_path / "d" / "model.safetensors")).values())
+    # packing rounds each weight to bfloat16 and changes nothing else
+    for (name, a), (_, b) in zip(fresh.named_parameters(), loaded.model.named_parameters()):
+        assert torch.equal(a.to(b.dtype), b), name
+    assert pack_for_decoding(loaded.model) == 0  # idempotent
+
+    monkeypatch.setenv(ENV, "fp32")
+    assert cpu_format() == "fp32"
+    assert weight_format(make_draft(str(tmp_path / "d"), target).model) == "fp32"
+
+
+@pytest.mark.parametrize("fusion", ["concat", "cross", "hybrid"])
+def test_decoding_with_a_packed_draft_is_lossless(fusion):
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target)
+    ref = vanilla_generate(target, prompt, 24)
+    draft = make_draft(f"random:{fusion}", target)
+    assert weight_format(draft.model) == "bf16"
+    assert speculative_generate(target, draft, prompt, 24).tokens == ref.tokens
+
+
+def test_the_compiled_runtime_runs_packed_drafts_losslessly():
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target)
+    ref = vanilla_generate(target, prompt, 16)
+    target.use_runtime("compiled")
+    try:
+        draft = make_draft("random:concat", target)
+        assert weight_format(draft.model) == "bf16"
+        for _ in range(2):  # the second generation runs the draft's compiled level graphs
+            assert speculative_generate(target, draft, prompt, 16).tokens == ref.tokens
+        assert draft.runner is not None and draft.runner.calls["compiled"] > 0
+    finally:
+        target.use_runtime("eager")
+
+
+def test_a_cpu_profile_timed_with_the_other_draft_weights_is_stale(monkeypatch):
+    from types import SimpleNamespace
+
+    from nas.hardware import stale_kernels
+
+    target = tiny_target("tiny-llama")
+    versions = {"attention": target.model.config._attn_implementation, "linear": small_rows.linear_kernels(),
+                "draft_weights": "fp32"}
+    profile = SimpleNamespace(predicted=False, device={"kind": "cpu"}, versions=versions)
+    assert "draft weights" in stale_kernels(profile, target)
+    versions["draft_weights"] = cpu_format()
+    assert stale_kernels(profile, target) is None
+    monkeypatch.setenv(ENV, "fp32")
+    assert "draft weights" in stale_kernels(profile, target)
