@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,8 +25,6 @@ from decode.cli import add_target_args, run_cli, setup_logging
 from decode.drafts.corpus import CORPUS_NAME, MAX_N, NgramCorpus
 from decode.drafts.prompt_lookup import LookupSpec
 from decode.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 
 def sharegpt_answers(tokenizer, n: int | None, cache_dir: Path | None = None, max_chars: int = 4000) -> list[list[int]]:

@@ -231,7 +231,8 @@ class KindScorer:
             else lookup_ms
         self._roots: dict[LookupSpec, list[list[RootTrie]]] = {}
         self.corpus = corpus
-        self._chains: list[list[list[int]]] | None = None  # per sequence and root: the corpus branch (deepest)
+        self._chains: list[list[list[int]]] = []  # per sequence and root: the corpus branch, _chain_depth deep
+        self._chain_depth = 0
         self.corpus_ms = (0.0 if latency is None or corpus is None else measure_corpus_ms(corpus)) \
             if corpus_ms is None else corpus_ms
         self.early_exit = early_exit
@@ -241,8 +242,9 @@ class KindScorer:
         if spec not in self._roots:
             if spec.corpus_depth and self.corpus is None:
                 raise ValueError("lookup spec with a corpus branch, but the scorer has no corpus")
-            if spec.corpus_depth and self._chains is None:
-                self._chains = [corpus_chains(s, self.corpus, max(CORPUS_DEPTHS)) for s in self.seqs]
+            if spec.corpus_depth > self._chain_depth:  # once, as deep as any spec asks (shorter ones are prefixes)
+                self._chain_depth = max(spec.corpus_depth, *CORPUS_DEPTHS)
+                self._chains = [corpus_chains(s, self.corpus, self._chain_depth) for s in self.seqs]
             self._roots[spec] = [lookup_roots(s, spec, self._chains[i] if spec.corpus_depth else None)
                                  for i, s in enumerate(self.seqs)]
         return self._roots[spec]

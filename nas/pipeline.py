@@ -190,10 +190,9 @@ def corpus_stage(cfg: PipelineConfig, target: TargetModel, data: list[Path] | tu
 
     out = cfg.run_dir / "corpus.safetensors"
     with stage_lock(cfg, "corpus"):
-        if out.is_file():
-            extra = [s for s in NgramCorpus.load(out, vocab_size=target.vocab_size).info.sources
-                     if not s.startswith("sharegpt")]
-            if len(extra) == len(data) and all(any(s.startswith(f"{d} (") for s in extra) for d in data):
+        if out.is_file():  # its sources: "sharegpt train answers (N)", then "<folder> (N answers)" per data folder
+            have = NgramCorpus.read_info(out).sources
+            if [s.rsplit(" (", 1)[0] for s in have[1:]] == [str(d) for d in data]:
                 logger.info("corpus stage: reusing %s", out)
                 return out
         logger.warning("corpus stage: counting n-grams of ShareGPT train answers%s -> %s",

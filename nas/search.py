@@ -108,10 +108,9 @@ class SearchConfig:
         if self.trial_sequences is not None and self.trial_sequences < 0:
             raise UserError(f"--trial-sequences must be >= 0 (0: all), got {self.trial_sequences}")
         if self.corpus not in (None, "none"):
-            from decode.drafts.corpus import CORPUS_NAME
+            from decode.drafts.corpus import corpus_file
 
-            path = Path(self.corpus) / CORPUS_NAME if Path(self.corpus).is_dir() else Path(self.corpus)
-            if not path.is_file():
+            if not corpus_file(self.corpus).is_file():
                 raise UserError(f"--corpus {self.corpus}: no corpus file there; build one with python -m decode.corpus "
                                 "or pass 'none'")
 
@@ -159,7 +158,7 @@ class Inputs:
 
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
     """Target, supernet (from the pipeline when not given), space, held-out sequences, latency profile."""
-    from decode.drafts.corpus import CORPUS_NAME, NgramCorpus
+    from decode.drafts.corpus import NgramCorpus, corpus_file
     from decode.space import SearchSpace
     from decode.targets.loader import load_target
     from nas import pipeline
@@ -215,7 +214,7 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         finetune_data = str(built_ft) if built_ft is not None else None
     corpus_path = None
     if cfg.corpus not in (None, "none"):  # a corpus file, or a draft folder holding one
-        corpus_path = Path(cfg.corpus) / CORPUS_NAME if Path(cfg.corpus).is_dir() else Path(cfg.corpus)
+        corpus_path = corpus_file(cfg.corpus)
     elif cfg.corpus is None and cfg.supernet is None:  # the pipeline: ShareGPT train answers + the target's own
         corpus_path = pipeline.corpus_stage(pcfg, target, [Path(finetune_data)] if finetune_data else [])
     corpus = NgramCorpus.load(corpus_path, vocab_size=target.vocab_size) if corpus_path is not None else None

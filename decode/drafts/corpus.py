@@ -28,7 +28,7 @@ from typing import Iterable
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from decode.errors import UserError
@@ -159,26 +159,39 @@ class NgramCorpus:
         tmp.replace(path)  # atomic: a reader never sees half a corpus
         return path
 
-    @classmethod
-    def load(cls, path: str | Path, vocab_size: int | None = None) -> "NgramCorpus":
+    @staticmethod
+    def read_info(path: str | Path) -> CorpusInfo:
+        """A corpus file's CorpusInfo from its header alone (the arrays are not read)."""
         path = Path(path)
         if not path.is_file():
             raise UserError(f"corpus file {path} does not exist; build one with python -m decode.corpus")
         try:
-            from safetensors import safe_open
-
             with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
+                meta, names = f.metadata() or {}, set(f.keys())
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{path} is not a readable corpus file ({str(err).splitlines()[0][:120]}); "
+                            "build it again with python -m decode.corpus") from None
+        if meta.get("format") != FORMAT or not {"keys", "next", "count"} <= names:
+            raise UserError(f"{path} is not a corpus file of format {FORMAT}; "
+                            "build it again with python -m decode.corpus")
+        raw = json.loads(meta.get("info", "{}"))
+        return CorpusInfo(**{**raw, "sources": tuple(raw.get("sources", ()))})
+
+    @classmethod
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> "NgramCorpus":
+        info = cls.read_info(path)
+        if vocab_size is not None and info.vocab_size != vocab_size:
+            raise UserError(f"corpus {path} was built for a vocabulary of {info.vocab_size} tokens, not {vocab_size}; "
+                            "build one with this target's tokenizer")
+        try:
             tensors = load_file(str(path))
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable corpus file ({str(err).splitlines()[0][:120]}); "
                             "build it again with python -m decode.corpus") from None
-        if meta.get("format") != FORMAT or not {"keys", "next", "count"} <= set(tensors):
-            raise UserError(f"{path} is not a corpus file of format {FORMAT}; "
-                            "build it again with python -m decode.corpus")
-        raw = json.loads(meta.get("info", "{}"))
-        info = CorpusInfo(**{**raw, "sources": tuple(raw.get("sources", ()))})
-        if vocab_size is not None and info.vocab_size != vocab_size:
-            raise UserError(f"corpus {path} was built for a vocabulary of {info.vocab_size} tokens, not {vocab_size}; "
-                            "build one with this target's tokenizer")
         return cls(tensors["keys"].numpy(), tensors["next"].numpy(), tensors["count"].numpy(), info)
+
+
+def corpus_file(path: str | Path) -> Path:
+    """A corpus file given as itself or as a draft folder holding one (DIR/corpus.safetensors)."""
+    path = Path(path)
+    return path / CORPUS_NAME if path.is_dir() else path

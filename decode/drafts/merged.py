@@ -43,8 +43,7 @@ class MergedDraft(Draft):
         return self.neural.networks()
 
     def max_nodes(self, policy) -> int:
-        # both trees whole (the lookup trie with its corpus branch), one shared root
-        return self.neural.max_nodes(policy) + self.lookup.spec.total_tokens + self.lookup.spec.corpus_depth
+        return self.neural.max_nodes(policy) + self.lookup.spec.nodes  # both trees whole, one shared root
 
     def warm(self, policy, widest=None, root_rows=None) -> list[int]:
         # the neural root level also feeds the tokens the cycles since the draft last ran emitted: union runs it every
@@ -52,7 +51,7 @@ class MergedDraft(Draft):
         # run of those queues up any number (measured: a bucket compiled inside a timed generation made the compiled
         # designed draft's drafting 4.6x its eager time); every root bucket is compiled (more rows run eagerly)
         if root_rows is None:
-            after_lookup = policy.widest_level() + self.lookup.spec.total_tokens + self.lookup.spec.corpus_depth + 1
+            after_lookup = policy.widest_level() + self.lookup.spec.nodes + 1
             root_rows = DRAFT_BUCKETS[-1] if self.rule == "switch" else after_lookup
         return self.neural.warm(policy, widest, root_rows)
 

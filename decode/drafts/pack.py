@@ -13,7 +13,7 @@ Activations stay float32 (decode/runtime/small_rows.linear takes float32 inputs 
 
 Checkpoints stay float32 on disk; packing happens when a draft is loaded for decoding (decode.drafts.kinds) and on
 the probes the hardware profile times (hwprofile/bench_draft.py), so the costs the search predicts are those of the
-packed draft. VLM_DRAFT_NAS_DRAFT_WEIGHTS=fp32 keeps float32 weights (A/B runs: benchmarks/draft_weights_ab.py).
+packed draft. VLM_DRAFT_NAS_DRAFT_WEIGHTS=fp32 keeps float32 weights (A/B runs, one process per format).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch import nn
 from decode.runtime import native_rows
 
 ENV = "VLM_DRAFT_NAS_DRAFT_WEIGHTS"  # bf16 (default) | fp32
-CHOICES = ("bf16", "fp32")
 
 
 def requested() -> str:
@@ -36,9 +35,8 @@ def requested() -> str:
 
 
 def packs(weight: torch.Tensor) -> bool:
-    """Whether a draft weight like this one is packed here: CPU float32, the native kernel built, bf16 asked for."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and requested() == "bf16"
-            and native_rows.available())
+    """Whether a draft weight like this one is packed here: CPU float32, and cpu_format() says bf16."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_format() == "bf16"
 
 
 @torch.no_grad()
@@ -60,7 +58,7 @@ def cpu_format() -> str:
 
 
 def weight_format(module: nn.Module) -> str:
-    """"bf16" when any linear weight of `module` is packed, else "fp32" (recorded with bench and profile results)."""
+    """"bf16" when any linear weight of `module` is packed, else "fp32"."""
     packed = any(type(sub) is nn.Linear and sub.weight.dtype == torch.bfloat16 and sub.weight.device.type == "cpu"
                  for sub in module.modules())
     return "bf16" if packed else "fp32"

@@ -60,6 +60,11 @@ class LookupSpec:
                             f"(tree_depth {self.tree_depth})")
 
     @property
+    def nodes(self) -> int:
+        """Nodes a proposal may hold beside the root: the trie's and the corpus branch's."""
+        return self.total_tokens + self.corpus_depth
+
+    @property
     def tree(self) -> TreeSpec:
         return TreeSpec(self.tree_depth, self.top_k, self.total_tokens)
 

@@ -185,14 +185,19 @@ def choices() -> dict[str, str]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through W @ x^T or the native kernel where that is faster (few rows, CPU, float32,
-    inference). x: (..., in), weight (out, in) -> (..., out)."""
+    inference), or a float32 x through a bfloat16 weight. x: (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
-        return _bf16_weight_linear(x, weight, bias, rows)
     few = (1 <= rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
            and weight.dtype == torch.float32)
     compiling = torch.compiler.is_compiling()
-    if compiling:  # the compiled runtime: the choice measured before tracing, read as a constant
+    if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
+        # a draft packed for CPU decoding (decode/drafts/pack.py): the native kernel widens the weight as it streams
+        # it (half the bytes of a float32 weight); more rows (a draft's first forward over the prompt) or no kernel:
+        # F.linear through a float32 copy, the same values
+        if not (1 <= rows <= SMALL_ROWS and _native_ready()):
+            return torch.nn.functional.linear(x, weight.to(x.dtype), bias)
+        choice = "native"
+    elif compiling:  # the compiled runtime: the choice measured before tracing, read as a constant
         choice = PRODUCTS[_measured_choice(rows, weight.shape[1], weight.shape[0])] if few else "linear"
     elif MODE != "off" and few and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         choice = _choose(rows, weight)
@@ -205,21 +210,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = _rows_product(x2, weight)
     else:  # the native kernel; inside a graph as an operator dynamo does not trace into
         y = native_rows.rows_linear_op(x2, weight) if compiling else native_rows.rows_linear(x2, weight)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """A float32 x through a bfloat16 weight (a draft packed for CPU decoding, decode/drafts/pack.py) -> float32:
-    the native kernel widens the weight as it streams it (half the bytes of a float32 weight); more rows (a draft's
-    first forward over the prompt) or no kernel: F.linear through a float32 copy, the same values."""
-    x2 = x.reshape(rows, x.shape[-1])
-    if 1 <= rows <= SMALL_ROWS and _native_ready():
-        compiling = torch.compiler.is_compiling()
-        y = native_rows.rows_linear_op(x2, weight) if compiling else native_rows.rows_linear(x2, weight)
-    else:
-        y = torch.nn.functional.linear(x2, weight.to(x.dtype))
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
