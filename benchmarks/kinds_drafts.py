@@ -66,7 +66,8 @@ def main() -> None:
             argv = ["--supernet", setup["supernet"], "--arch", row["arch"], "--out", str(folder)]
             if row.get("lookup"):
                 lk = LookupSpec(**row["lookup"])
-                argv += ["--lookup", f"{lk.tree_depth}:{lk.max_ngram}:{lk.top_k}:{lk.weak_depth}:{lk.corpus_depth}",
+                fields = (lk.tree_depth, lk.max_ngram, lk.top_k, lk.weak_depth, lk.corpus_depth, lk.corpus_second)
+                argv += ["--lookup", ":".join(map(str, fields)),
                          "--merge", row.get("merge", "union"), *(["--corpus", summary["corpus"]] if lk.corpus_depth
                                                                   else [])]
             export_main(argv)

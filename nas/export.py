@@ -57,7 +57,8 @@ class ExportConfig:
 
 
 def lookup_extra(text: str | None, merge: str) -> dict:
-    """--lookup D:M:K[:W] / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind neural)."""
+    """--lookup D:M:K[:W[:C[:S]]] / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind
+    neural)."""
     from decode.drafts.merged import RULES
     from decode.drafts.prompt_lookup import LookupSpec
 
@@ -67,14 +68,15 @@ def lookup_extra(text: str | None, merge: str) -> dict:
         raise UserError(f"--merge must be one of {', '.join(RULES)}, got {merge!r}")
     try:
         vals = [int(v) for v in text.split(":")]
-        if len(vals) not in (3, 4, 5):
+        if len(vals) not in (3, 4, 5, 6):
             raise ValueError(text)
-        d, m, k, w, c = (*vals, 0, 0, 0)[:5]
-        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w, corpus_depth=c)
+        d, m, k, w, c, b = (*vals, 0, 0, 0)[:6]
+        spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w, corpus_depth=c,
+                          corpus_second=b)
     except (ValueError, UserError):
-        raise UserError(f"--lookup must be D:M:K[:W[:C]] (branch length, max n-gram, branches, integers >= 1; W: "
+        raise UserError(f"--lookup must be D:M:K[:W[:C[:S]]] (branch length, max n-gram, branches, integers >= 1; W: "
                         f"branch length after a match shorter than M, 0 <= W <= D; C: corpus branch length, needs "
-                        f"--corpus), got {text!r}") from None
+                        f"--corpus; S: second corpus branch length, 0 <= S <= C), got {text!r}") from None
     return {"kind": "neural+lookup", "lookup": asdict(spec), "merge": merge}
 
 
@@ -212,10 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="fine-tuning data (default: the supernet's training data)")
     p.add_argument("--heldout", type=int, default=None,
                    help="last training sequences kept out of fine-tuning (default: the study's / supernet's)")
-    p.add_argument("--lookup", default=None, metavar="D:M:K[:W[:C]]",
+    p.add_argument("--lookup", default=None, metavar="D:M:K[:W[:C[:S]]]",
                    help="merge prompt lookup into the draft (kind neural+lookup): branch length D, n-grams up to M, "
                         "K branches, W tokens only after a match shorter than M (default: D), C tokens of a corpus "
-                        "branch (needs --corpus), e.g. 4:2:1, 8:3:1:2 or 4:2:1:0:4")
+                        "branch (needs --corpus), S tokens of a second corpus branch, e.g. 4:2:1, 8:3:1:2 or "
+                        "4:2:1:0:4:2")
     p.add_argument("--corpus", default=None, metavar="FILE",
                    help="corpus.safetensors (python -m decode.corpus) for a --lookup with a corpus branch")
     p.add_argument("--merge", default="union", help="with --lookup: union (both trees) or switch (lookup when it "

@@ -3,7 +3,7 @@
     vanilla         plain decoding: 1.00x by definition
     prompt-lookup   n-gram lookup in the prompt and output so far (decode.drafts.prompt_lookup), over a grid
                     of LookupSpecs (n-gram sizes, branch length, branches); with a corpus (decode/drafts/corpus.py)
-                    also a corpus branch of CORPUS_DEPTHS tokens beside single-branch lookups, alone and merged
+                    also corpus branches (CORPUS_BRANCHES) beside single-branch lookups, alone and merged
     neural          a subnet of the supernet with its best tree for the device (the Optuna study's trials)
     neural+lookup   the neural tree and the lookup trie merged into one verified tree (decode.drafts.merged)
     layerskip       the target's first K layers (K a stored feature layer) drafting a chain of depth D
@@ -59,14 +59,15 @@ LOOKUP_ALONE_GRID = LOOKUP_GRID + tuple(
     for n in (2, 3) for d in (4, 8) for k in (1, 2) for w in (1, 2) if (k, w) != (1, 1))
 LAYERSKIP_DEPTHS = (1, 2, 3, 4)  # chain depths tried for the layer-skip self-draft
 # corpus branches (decode/drafts/corpus.py) tried beside single-branch lookups of length 2 and 4, when the search has
-# a corpus: on the 168 demo held-out sequences a 4-token corpus branch took lookup's replayed tau from 1.29 to 1.71
-CORPUS_DEPTHS = (2, 4)
+# a corpus, as (first branch, second branch) lengths: on the 168 demo held-out sequences a 4-token corpus branch took
+# lookup's replayed tau from 1.29 to 1.71; on the cpu scale's, a 2-token second branch beside it 1.83 -> 1.94
+CORPUS_BRANCHES = ((2, 0), (4, 0), (2, 1), (4, 1), (4, 2))
 
 
 def with_corpus(grid: tuple[LookupSpec, ...]) -> tuple[LookupSpec, ...]:
     """Corpus-branch variants of the grid's single-branch, full-depth lookups of length <= 4."""
-    return tuple(replace(s, corpus_depth=c) for s in grid if s.top_k == 1 and not s.weak_depth and s.tree_depth <= 4
-                 for c in CORPUS_DEPTHS)
+    return tuple(replace(s, corpus_depth=c, corpus_second=b) for s in grid
+                 if s.top_k == 1 and not s.weak_depth and s.tree_depth <= 4 for c, b in CORPUS_BRANCHES)
 
 
 @dataclass(frozen=True)
@@ -116,27 +117,28 @@ def expected_tokens(seq: dict) -> list[int]:
     return [ids[j] if j == 0 or argmax[j - 1] == ids[j] else -1 for j in range(len(ids))]
 
 
-def corpus_chains(seq: dict, corpus: NgramCorpus, depth: int) -> list[list[int]]:
-    """The corpus branch (`depth` tokens at most) at every root position p..t-2 of one FeatureData item (index r - p):
-    it depends on the tokens up to the root only, and a shorter branch is a prefix of a longer one."""
+def corpus_branches(seq: dict, corpus: NgramCorpus, depth: int, second: int) -> list[list[list[int]]]:
+    """The corpus branches (NgramCorpus.branches: `depth` and `second` tokens at most) at every root position p..t-2
+    of one FeatureData item (index r - p): they depend on the tokens up to the root only, and shorter branches are
+    prefixes of longer ones."""
     ids = seq["input_ids"].tolist()
     p = int(seq["prompt_len"])
-    return [corpus.chain(ids[max(0, r + 1 - corpus.max_n): r + 1], depth) for r in range(p, len(ids) - 1)]
+    return [corpus.branches(ids[max(0, r + 1 - corpus.max_n): r + 1], depth, second) for r in range(p, len(ids) - 1)]
 
 
-def lookup_roots(seq: dict, spec: LookupSpec, chains: list[list[int]] | None = None) -> list[RootTrie]:
-    """The lookup trie at every root position p..t-2 of one FeatureData item (index: r - p); chains: the corpus
-    branches (corpus_chains) for a spec with corpus_depth > 0."""
+def lookup_roots(seq: dict, spec: LookupSpec, branches: list[list[list[int]]] | None = None) -> list[RootTrie]:
+    """The lookup trie at every root position p..t-2 of one FeatureData item (index: r - p); branches: the corpus
+    branches (corpus_branches) for a spec with corpus_depth > 0."""
     ids = seq["input_ids"].tolist()
     p, cont = int(seq["prompt_len"]), expected_tokens(seq)
     index = NgramIndex(spec.min_ngram, spec.max_ngram)
     index.extend(ids[:p])
-    if spec.corpus_depth and chains is None:
+    if spec.corpus_depth and branches is None:
         raise ValueError("a lookup spec with corpus_depth > 0 needs the corpus branches")
     out = []
     for r in range(p, len(ids) - 1):
         tree = lookup_trie(index, ids[r], spec, spec.tree, spec.top_k,
-                           chain=chains[r - p] if spec.corpus_depth else None)
+                           branches=branches[r - p] if spec.corpus_depth else None)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         node, d = 0, 0
         while r + d + 1 < len(cont):
@@ -231,8 +233,8 @@ class KindScorer:
             else lookup_ms
         self._roots: dict[LookupSpec, list[list[RootTrie]]] = {}
         self.corpus = corpus
-        self._chains: list[list[list[int]]] = []  # per sequence and root: the corpus branch, _chain_depth deep
-        self._chain_depth = 0
+        self._branches: list[list[list[list[int]]]] = []  # per sequence and root: the corpus branches, _depths deep
+        self._depths = (0, 0)  # (first, second) branch lengths the stored branches hold
         self.corpus_ms = (0.0 if latency is None or corpus is None else measure_corpus_ms(corpus)) \
             if corpus_ms is None else corpus_ms
         self.early_exit = early_exit
@@ -242,16 +244,18 @@ class KindScorer:
         if spec not in self._roots:
             if spec.corpus_depth and self.corpus is None:
                 raise ValueError("lookup spec with a corpus branch, but the scorer has no corpus")
-            if spec.corpus_depth > self._chain_depth:  # once, as deep as any spec asks (shorter ones are prefixes)
-                self._chain_depth = max(spec.corpus_depth, *CORPUS_DEPTHS)
-                self._chains = [corpus_chains(s, self.corpus, self._chain_depth) for s in self.seqs]
-            self._roots[spec] = [lookup_roots(s, spec, self._chains[i] if spec.corpus_depth else None)
+            if spec.corpus_depth > self._depths[0] or spec.corpus_second > self._depths[1]:
+                # once, as deep as any spec asks (shorter branches are prefixes)
+                self._depths = (max(spec.corpus_depth, *(c for c, _ in CORPUS_BRANCHES)),
+                                max(spec.corpus_second, *(s for _, s in CORPUS_BRANCHES)))
+                self._branches = [corpus_branches(s, self.corpus, *self._depths) for s in self.seqs]
+            self._roots[spec] = [lookup_roots(s, spec, self._branches[i] if spec.corpus_depth else None)
                                  for i, s in enumerate(self.seqs)]
         return self._roots[spec]
 
     def lookup_cost_ms(self, spec: LookupSpec) -> float:
-        """Host time of one lookup proposal: the n-gram index and trie, plus the corpus branch's tokens."""
-        return self.lookup_ms + spec.corpus_depth * self.corpus_ms
+        """Host time of one lookup proposal: the n-gram index and trie, plus the corpus branches' tokens."""
+        return self.lookup_ms + (spec.corpus_depth + spec.corpus_second) * self.corpus_ms
 
     def grids(self) -> tuple[tuple[LookupSpec, ...], tuple[LookupSpec, ...]]:
         """(lookups merged with neural trees, corpus lookups tried alone): with a corpus, the merged grid has the

@@ -42,12 +42,48 @@ def test_chain_drafts_greedily_and_a_shorter_chain_is_a_prefix():
     assert corpus.chain([6], 4) == []  # nothing ever followed 6
 
 
+def test_runner_up_and_the_second_branch():
+    corpus = NgramCorpus.build([[1, 2, 3, 4]] * 3 + [[1, 2, 5, 6]] * 2 + [[8, 2, 7]], vocab_size=10)
+    assert corpus.next_of([1, 2]) == 3 and corpus.runner_up([1, 2]) == 5  # after "1 2": 3 three times, 5 twice
+    assert corpus.branches([0, 1, 2], 3, 2) == [[3, 4], [5, 6]]  # the chain, then the runner-up and greedy again
+    assert corpus.branches([0, 1, 2], 3, 1) == [[3, 4], [5]]
+    assert corpus.branches([0, 1, 2], 3) == [[3, 4]]
+    # "8 2" was only ever followed by 7: the runner-up comes from the shorter suffix "2" (best 3, not 7)
+    assert corpus.next_of([8, 2]) == 7 and corpus.runner_up([8, 2]) == 3
+    assert corpus.runner_up([4]) is None  # nothing ever followed 4
+
+
+def test_min_count_drops_rare_longer_ngrams_and_lookups_back_off():
+    seqs = [[1, 2, 3], [1, 2, 3], [9, 2, 4]]
+    full, pruned = NgramCorpus.build(seqs, vocab_size=10), NgramCorpus.build(seqs, vocab_size=10, min_count=2)
+    assert full.next_of([9, 2]) == 4  # seen once
+    assert pruned.next_of([9, 2]) == 3  # dropped: the 1-gram "2" answers (3 twice, 4 once)
+    assert pruned.next_of([1, 2]) == 3 and pruned.next_of([3]) is None
+    assert pruned.next_of([9]) == 2  # 1-grams stay whatever their count
+    assert pruned.keys.size < full.keys.size and pruned.info.min_count == 2
+    with pytest.raises(UserError, match="min_count"):
+        NgramCorpus.build(seqs, vocab_size=10, min_count=0)
+
+
+def test_distilled_items_count_the_targets_own_next_token():
+    """(ids, nexts): the token after each context is the given one (the target's prediction), not the text's next."""
+    corpus = NgramCorpus.build([([1, 2, 3], [5, 6, -1]), [1, 2, 9]], vocab_size=10)
+    assert corpus.next_of([1]) == 2  # plain "1 -> 2" once, distilled "1 -> 5" once: the tie goes to the smaller id
+    assert corpus.runner_up([1]) == 5
+    assert corpus.next_of([1, 2]) == 6  # distilled "1 2 -> 6" and plain "1 2 -> 9": a tie, 6 is smaller
+    assert corpus.next_of([2, 3]) is None  # no next after the item's last position
+    assert corpus.info.tokens == 6 and corpus.info.sequences == 2
+    with pytest.raises(UserError, match="as many next tokens"):
+        NgramCorpus.build([([1, 2, 3], [5, 6])], vocab_size=10)
+
+
 def test_save_and_load_round_trip_and_bad_files(tmp_path):
     corpus = NgramCorpus.build([[1, 2, 3, 1, 2, 4]], vocab_size=300, sources=("test",))
     path = corpus.save(tmp_path / CORPUS_NAME)
     back = NgramCorpus.load(path, vocab_size=300)
     assert (back.keys == corpus.keys).all() and (back.next_token == corpus.next_token).all()
     assert back.info == corpus.info and back.chain([1, 2], 3) == corpus.chain([1, 2], 3)
+    assert back.branches([1, 2], 3, 2) == corpus.branches([1, 2], 3, 2) and len(corpus.branches([1, 2], 3, 2)) == 2
     with pytest.raises(UserError, match="vocabulary of 300"):
         NgramCorpus.load(path, vocab_size=301)
     with pytest.raises(UserError, match="does not exist"):
@@ -59,6 +95,17 @@ def test_save_and_load_round_trip_and_bad_files(tmp_path):
         NgramCorpus.build([[1, 12]], vocab_size=10)
     with pytest.raises(UserError, match="no sequence"):
         NgramCorpus.build([[1]], vocab_size=10)
+
+
+def test_a_v1_file_without_runner_ups_still_loads_and_drafts_one_branch(tmp_path):
+    from safetensors.torch import save_file
+
+    corpus = NgramCorpus.build([[1, 2, 3], [1, 2, 4]], vocab_size=10)
+    save_file({"keys": torch.from_numpy(corpus.keys), "next": torch.from_numpy(corpus.next_token),
+               "count": torch.from_numpy(corpus.count)}, str(tmp_path / "v1.safetensors"),
+              metadata={"format": "vlm-draft-nas/corpus-v1", "info": json.dumps(corpus.info.to_dict())})
+    old = NgramCorpus.load(tmp_path / "v1.safetensors")
+    assert old.branches([1, 2], 2, 2) == [[3]] and corpus.branches([1, 2], 2, 2) == [[3], [4]]
 
 
 def test_lookup_trie_adds_the_corpus_branch_with_room_of_its_own():
@@ -76,6 +123,24 @@ def test_lookup_trie_adds_the_corpus_branch_with_room_of_its_own():
     assert draft.max_nodes(TreePolicy(spec=spec.tree)) == 3 + 2 + 1
     with pytest.raises(UserError, match="needs a corpus"):
         PromptLookupDraft(spec=spec)
+
+
+def test_lookup_trie_merges_a_second_corpus_branch():
+    corpus = NgramCorpus.build([[3, 7, 8, 9]] * 2 + [[3, 4, 5, 1]], vocab_size=20)
+    index = NgramIndex(1, 2)
+    index.extend([1, 2, 3, 4, 5, 6, 3])  # lookup proposes 4 5 6 after "3"
+    spec = LookupSpec(max_ngram=2, tree_depth=3, top_k=1, total_tokens=3, corpus_depth=2, corpus_second=2)
+    tree = lookup_trie(index, 3, spec, spec.tree, 1, corpus)
+    # corpus: 7 8 (best after "3"), runner-up 4 then 5 -- which the lookup branch holds already: shared, no new node
+    assert tree.tokens.tolist() == [3, 4, 5, 6, 7, 8] and tree.parents.tolist() == [-1, 0, 1, 2, 0, 4]
+    spec1 = LookupSpec(max_ngram=2, tree_depth=1, top_k=1, total_tokens=1, corpus_depth=2, corpus_second=2)
+    index2 = NgramIndex(1, 2)
+    index2.extend([6, 3, 9])  # lookup proposes 9 after "3"
+    tree = lookup_trie(index2, 3, spec1, spec1.tree, 1, corpus)
+    assert tree.tokens.tolist() == [3, 9, 7, 8, 4, 5] and tree.parents.tolist() == [-1, 0, 0, 2, 0, 4]
+    assert spec1.nodes == 5
+    with pytest.raises(UserError, match="corpus_second"):
+        LookupSpec(corpus_depth=2, corpus_second=3)
 
 
 @pytest.mark.parametrize("merged", [False, True])
@@ -129,18 +194,24 @@ def test_cli_bad_input_is_one_error(tmp_path, argv, match):
         corpus_main(["--target", "tiny-llama", "--out", str(tmp_path / "x"), *argv])
 
 
-def test_data_folders_contribute_their_answers(tmp_path):
-    """--data reads a feature-data folder's answer tokens (positions from prompt_len on)."""
+def test_data_folders_contribute_the_targets_next_tokens(tmp_path):
+    """--data reads a feature-data folder's positions with the stored top-1 after each (-1 on image positions), or
+    its answer tokens (positions from prompt_len on) where the shards hold no top-k."""
     from safetensors.torch import save_file
 
-    from decode.corpus import data_answers
+    from decode.corpus import data_items
 
-    folder = tmp_path / "data"
-    folder.mkdir()
-    save_file({"input_ids": torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.int32),
-               "offsets": torch.tensor([0, 4, 7]), "prompt_len": torch.tensor([2, 1])},
-              str(folder / "shard-00000.safetensors"))
-    assert data_answers(folder) == [[3, 4], [6, 7]]
-    (folder / "shard-00001.safetensors").write_bytes(b"junk")
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7], dtype=torch.int32)
+    index = {"offsets": torch.tensor([0, 4, 7]), "prompt_len": torch.tensor([2, 1])}
+    plain, distilled = tmp_path / "plain", tmp_path / "distilled"
+    plain.mkdir()
+    distilled.mkdir()
+    save_file({"input_ids": ids, **index}, str(plain / "shard-00000.safetensors"))
+    assert data_items(plain) == [[3, 4], [6, 7]]
+    topk = torch.stack([torch.tensor([9, 8, 7, 6, 5, 4, 3]), torch.zeros(7, dtype=torch.long)], dim=1)  # (T, 2)
+    save_file({"input_ids": ids, "topk_ids": topk, "image_mask": torch.tensor([0, 1, 0, 0, 0, 0, 0]).bool(), **index},
+              str(distilled / "shard-00000.safetensors"))
+    assert data_items(distilled) == [([1, 2, 3, 4], [9, -1, 7, 6]), ([5, 6, 7], [5, 4, 3])]
+    (plain / "shard-00001.safetensors").write_bytes(b"junk")
     with pytest.raises(UserError, match="not a readable data shard"):
-        data_answers(folder)
+        data_items(plain)

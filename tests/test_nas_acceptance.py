@@ -230,8 +230,9 @@ def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
 
 
 def test_corpus_lookup_replay_equals_real_decoding(trained):
-    """Lookup with a corpus branch (decode/drafts/corpus.py), alone and merged with a neural subnet: the replay gives
-    real decoding's cycles, tokens, accepted-length histogram and tree sizes, and the corpus branch accepts tokens."""
+    """Lookup with corpus branches (decode/drafts/corpus.py; one, and two with the runner-up), alone and merged with a
+    neural subnet: the replay gives real decoding's cycles, tokens, accepted-length histogram and tree sizes, and the
+    corpus branches accept tokens."""
 
     from decode.drafts import LookupSpec, MergedDraft, PromptLookupDraft
     from decode.drafts.corpus import NgramCorpus
@@ -251,8 +252,9 @@ def test_corpus_lookup_replay_equals_real_decoding(trained):
     sub = model.extract(arch, target)
     corpus_hits = 0
     for spec in (LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4),
-                 LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, corpus_depth=2)):
-        plain = replace(spec, corpus_depth=0)
+                 LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, corpus_depth=2),
+                 LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4, corpus_second=2)):
+        plain = replace(spec, corpus_depth=0, corpus_second=0)
         for merged in (False, "union", "switch"):
             rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)
             cycles, hist, sizes = _real_decoding(

@@ -12,10 +12,24 @@ Measured (exact greedy replay on the 168 demo held-out sequences, 4-token branch
 lookup alone tau 1.29; the corpus chain alone 1.37 from 3.2M tokens of ShareGPT answers (no model forward at all),
 1.45 with 49k tokens of the target's own answers added; both merged into one tree 1.71 and 1.80.
 
+What follows what. A plain sequence predicts each token from the tokens before it. A *distilled* item (ids, nexts)
+pairs each context with the token the target itself predicts after it (nexts[j]: the target's argmax after ids[..j],
+from a teacher-mode data folder's stored top-k): what the target would say, counted over every position of text it
+merely read. In a probe on the cpu scale's 168 held-out sequences (lookup + a 4-token chain) the 443k distilled
+positions of its training data made a better corpus than 3.2M tokens of ShareGPT answers (tau 1.826 against 1.804,
+with 15x fewer n-grams); both together 1.833.
+
+Two branches. Each n-gram also keeps its second most frequent next token, so a proposal can hold a second branch
+(`branches`): the runner-up at the root, then greedy again. In the same probe a 2-token second branch beside the
+4-token chain took tau from 1.833 to 1.940 for 1.5 more verified tokens per cycle; the search's replay (nas/kinds.py)
+on the cpu profile preferred a 2-token chain and a 1-token second branch: predicted 1.609x -> 1.714x (tau 1.74 ->
+1.88) against the corpus of answers with one branch.
+
 Storage: one safetensors file (never a pickle): sorted int64 n-gram codes, the most frequent next token of each and
-its count. A code packs n (2 bits) and the n token ids (`bits` each, enough for the target's vocabulary); max_n is
-at most 3 so that every code fits in 63 bits for vocabularies up to 2^20 tokens. Lookups are binary searches in
-those arrays (numpy), a few microseconds per drafted token.
+its count, the runner-up and its count (-1 / 0: none). A code packs n (2 bits) and the n token ids (`bits` each,
+enough for the target's vocabulary); max_n is at most 3 so that every code fits in 63 bits for vocabularies up to
+2^20 tokens. `min_count` drops rarely seen 2- and 3-grams (decode/corpus.py keeps those seen twice: 2.5x smaller).
+Lookups are binary searches in those arrays (numpy), a few microseconds per drafted token.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +48,8 @@ from safetensors.torch import load_file, save_file
 from decode.errors import UserError
 
 CORPUS_NAME = "corpus.safetensors"
-FORMAT = "vlm-draft-nas/corpus-v1"
+FORMAT = "vlm-draft-nas/corpus-v2"
+FORMATS = ("vlm-draft-nas/corpus-v1", FORMAT)  # v1 files (no runner-ups) still load: they draft no second branch
 MAX_N = 3
 
 
@@ -49,6 +64,7 @@ class CorpusInfo:
     tokens: int
     sources: tuple[str, ...] = ()
     target_digest: str = ""  # the target's weights digest: token ids mean something only for its tokenizer
+    min_count: int = 1  # 2- and 3-grams seen fewer times were dropped
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -71,38 +87,57 @@ def _codes(windows: np.ndarray, n: int, bits: int) -> np.ndarray:
 class NgramCorpus:
     """The most frequent next token after every 1..max_n-gram of a corpus (module docstring)."""
 
-    def __init__(self, keys: np.ndarray, next_token: np.ndarray, count: np.ndarray, info: CorpusInfo):
+    def __init__(self, keys: np.ndarray, next_token: np.ndarray, count: np.ndarray, info: CorpusInfo,
+                 second: np.ndarray | None = None, second_count: np.ndarray | None = None):
         self.keys, self.next_token, self.count, self.info = keys, next_token, count, info
+        self.second = second if second is not None else np.full(keys.size, -1, dtype=np.int32)  # runner-up; -1: none
+        self.second_count = second_count if second_count is not None else np.zeros(keys.size, dtype=np.int32)
         self.max_n, self.bits = info.max_n, info.bits
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def build(cls, sequences: Iterable[list[int]], vocab_size: int, max_n: int = MAX_N,
-              sources: tuple[str, ...] = (), target_digest: str = "") -> "NgramCorpus":
-        """Count next tokens over token sequences (n-grams never cross a sequence boundary)."""
+    def build(cls, sequences: Iterable[Sequence[int] | tuple[Sequence[int], Sequence[int]]], vocab_size: int,
+              max_n: int = MAX_N, sources: tuple[str, ...] = (), target_digest: str = "",
+              min_count: int = 1) -> "NgramCorpus":
+        """Count next tokens over items (n-grams never cross an item boundary): a plain token sequence, or a distilled
+        pair (ids, nexts) of equal length where nexts[j] follows ids[..j] (-1: no next there; module docstring).
+        min_count > 1 drops the n-grams (n >= 2) seen fewer times than that: lookups back off to a shorter suffix."""
         if not 1 <= max_n <= MAX_N:
             raise UserError(f"corpus n-grams must be 1..{MAX_N} tokens long, got {max_n}")
+        if min_count < 1:
+            raise UserError(f"a corpus n-gram's min_count must be >= 1, got {min_count}")
         bits = _bits_for(vocab_size)
         if max_n * bits + 2 > 63:
             raise UserError(f"a vocabulary of {vocab_size} tokens is too large for {max_n}-gram codes; "
                             "use a smaller max_n")
-        seqs = [np.asarray(s, dtype=np.int64) for s in sequences if len(s) >= 2]
-        if not seqs:
+        ids, nexts = [], []  # per item: (T_i,) context tokens and (T_i,) the token after each (-1: none)
+        for item in sequences:
+            if isinstance(item, tuple):
+                a, b = np.asarray(item[0], dtype=np.int64), np.asarray(item[1], dtype=np.int64)
+                if a.shape != b.shape:
+                    raise UserError(f"a distilled corpus item needs as many next tokens as ids, got {b.size} "
+                                    f"for {a.size}")
+            else:
+                a = np.asarray(item, dtype=np.int64)
+                b = np.append(a[1:], -1)
+            if a.size >= 1 and (b >= 0).any():
+                ids.append(a)
+                nexts.append(b)
+        if not ids:
             raise UserError("the corpus has no sequence of two tokens or more")
-        flat = np.concatenate(seqs)
-        if flat.min() < 0 or flat.max() >= vocab_size:
+        flat, after = np.concatenate(ids), np.concatenate(nexts)  # (T,), (T,)
+        if flat.min() < 0 or max(flat.max(), after.max()) >= vocab_size:
             raise UserError(f"corpus token ids must lie in 0..{vocab_size - 1} (the target's vocabulary)")
-        starts = np.repeat(np.cumsum([0] + [len(s) for s in seqs[:-1]]), [len(s) for s in seqs])  # (T,) own start
-        pos = np.arange(flat.size)
-        keys, nexts = [], []
+        starts = np.repeat(np.cumsum([0] + [a.size for a in ids[:-1]]), [a.size for a in ids])  # (T,) own start
+        pos = np.flatnonzero(after >= 0)  # context windows end at pos; the token after them is after[pos]
+        keys, nxts = [], []
         for n in range(1, max_n + 1):
-            ok = pos - n >= starts  # position pos is predicted from the n tokens before it, same sequence
-            where = pos[ok]
-            windows = np.stack([flat[where - n + i] for i in range(n)], axis=1)  # (m, n) oldest first
+            end = pos[pos - n + 1 >= starts[pos]]  # the n-gram ending there lies within its own item
+            windows = np.stack([flat[end - n + 1 + i] for i in range(n)], axis=1)  # (m, n) oldest first
             keys.append(_codes(windows, n, bits))
-            nexts.append(flat[where])
-        key, nxt = np.concatenate(keys), np.concatenate(nexts)
-        # count (key, next) pairs, then keep each key's most frequent next (ties: the smallest token id)
+            nxts.append(after[end])
+        key, nxt = np.concatenate(keys), np.concatenate(nxts)
+        # count (key, next) pairs, then keep each key's two most frequent nexts (ties: the smaller token id first)
         order = np.lexsort((nxt, key))
         key, nxt = key[order], nxt[order]
         new_pair = np.ones(key.size, dtype=bool)
@@ -110,17 +145,27 @@ class NgramCorpus:
         first = np.flatnonzero(new_pair)
         pair_count = np.diff(np.append(first, key.size))
         pair_key, pair_next = key[first], nxt[first]
-        # per key: the pair with the largest count (stable sort by -count within key keeps the smallest id on ties)
+        # per key by falling count (a stable sort keeps the smaller id first on ties)
         order = np.lexsort((-pair_count, pair_key))
         pair_key, pair_next, pair_count = pair_key[order], pair_next[order], pair_count[order]
         head = np.ones(pair_key.size, dtype=bool)
         head[1:] = pair_key[1:] != pair_key[:-1]
-        info = CorpusInfo(max_n, bits, int(vocab_size), len(seqs), int(flat.size), tuple(sources), target_digest)
-        return cls(pair_key[head], pair_next[head].astype(np.int32), pair_count[head].astype(np.int32), info)
+        at = np.flatnonzero(head)  # (K,) each key's best pair
+        if min_count > 1:  # a key's occurrences: the sum of its pairs' counts; 1-grams (code & 3 == 1) always stay
+            seen = np.add.reduceat(pair_count, at)
+            at = at[(seen >= min_count) | ((pair_key[at] & 3) == 1)]
+        nxt_at = np.minimum(at + 1, pair_key.size - 1)  # the pair after it: the runner-up when it has the same key
+        has2 = (at + 1 < pair_key.size) & (pair_key[nxt_at] == pair_key[at])
+        second = np.where(has2, pair_next[nxt_at], -1).astype(np.int32)
+        second_count = np.where(has2, pair_count[nxt_at], 0).astype(np.int32)
+        info = CorpusInfo(max_n, bits, int(vocab_size), len(ids), int(flat.size), tuple(sources), target_digest,
+                          min_count)
+        return cls(pair_key[at], pair_next[at].astype(np.int32), pair_count[at].astype(np.int32), info,
+                   second, second_count)
 
     # ------------------------------------------------------------------ drafting
-    def next_of(self, context: list[int]) -> int | None:
-        """The corpus's next token after the longest suffix of `context` (up to max_n tokens) it holds; None if none."""
+    def _find(self, context: Sequence[int]) -> int | None:
+        """The index of the longest suffix of `context` (up to max_n tokens) the corpus holds; None if none."""
         m = min(self.max_n, len(context))
         if m == 0:
             return None
@@ -133,10 +178,15 @@ class NgramCorpus:
         at = np.searchsorted(self.keys, codes)
         for code, i in zip(codes, at.tolist()):
             if i < self.keys.size and int(self.keys[i]) == code:
-                return int(self.next_token[i])
+                return i
         return None
 
-    def chain(self, context: list[int], depth: int) -> list[int]:
+    def next_of(self, context: Sequence[int]) -> int | None:
+        """The corpus's next token after the longest suffix of `context` (up to max_n tokens) it holds; None if none."""
+        i = self._find(context)
+        return None if i is None else int(self.next_token[i])
+
+    def chain(self, context: Sequence[int], depth: int) -> list[int]:
         """Up to `depth` tokens drafted greedily after `context` (history + root)."""
         ctx = list(context[-self.max_n:])
         out: list[int] = []
@@ -148,13 +198,43 @@ class NgramCorpus:
             ctx = (ctx + [tok])[-self.max_n:]
         return out
 
+    def runner_up(self, context: Sequence[int]) -> int | None:
+        """The second most likely next token after `context`: the runner-up of its longest known suffix, or, where
+        that suffix was only ever followed by one token, the best next of a shorter suffix that differs from it."""
+        ctx = list(context[-self.max_n:])
+        best = None
+        for n in range(min(self.max_n, len(ctx)), 0, -1):
+            i = self._find(ctx[-n:])
+            if i is None:
+                continue
+            if best is None:
+                best = int(self.next_token[i])
+                if self.second[i] >= 0:
+                    return int(self.second[i])
+            elif int(self.next_token[i]) != best:
+                return int(self.next_token[i])
+            elif self.second[i] >= 0:
+                return int(self.second[i])
+        return None
+
+    def branches(self, context: Sequence[int], depth: int, second_depth: int = 0) -> list[list[int]]:
+        """The greedy chain of `depth` tokens and, with second_depth > 0, a second branch of that many tokens: the
+        runner-up after `context`, then greedy. Each is a prefix of the same call's with a larger depth."""
+        out = [self.chain(context, depth)]
+        if second_depth > 0:
+            tok = self.runner_up(context)
+            if tok is not None:
+                out.append([tok] + self.chain(list(context) + [tok], second_depth - 1))
+        return out
+
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         save_file({"keys": torch.from_numpy(self.keys), "next": torch.from_numpy(self.next_token),
-                   "count": torch.from_numpy(self.count)}, str(tmp),
+                   "count": torch.from_numpy(self.count), "next2": torch.from_numpy(self.second),
+                   "count2": torch.from_numpy(self.second_count)}, str(tmp),
                   metadata={"format": FORMAT, "info": json.dumps(self.info.to_dict())})
         tmp.replace(path)  # atomic: a reader never sees half a corpus
         return path
@@ -171,7 +251,7 @@ class NgramCorpus:
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable corpus file ({str(err).splitlines()[0][:120]}); "
                             "build it again with python -m decode.corpus") from None
-        if meta.get("format") != FORMAT or not {"keys", "next", "count"} <= names:
+        if meta.get("format") not in FORMATS or not {"keys", "next", "count"} <= names:
             raise UserError(f"{path} is not a corpus file of format {FORMAT}; "
                             "build it again with python -m decode.corpus")
         raw = json.loads(meta.get("info", "{}"))
@@ -188,7 +268,8 @@ class NgramCorpus:
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable corpus file ({str(err).splitlines()[0][:120]}); "
                             "build it again with python -m decode.corpus") from None
-        return cls(tensors["keys"].numpy(), tensors["next"].numpy(), tensors["count"].numpy(), info)
+        second = [tensors[k].numpy() if k in tensors else None for k in ("next2", "count2")]  # none in v1 files
+        return cls(tensors["keys"].numpy(), tensors["next"].numpy(), tensors["count"].numpy(), info, *second)
 
 
 def corpus_file(path: str | Path) -> Path:

@@ -18,7 +18,8 @@ The branch length still depends on the history only, so the search's per-root re
 
 Corpus lookup: with a corpus (decode/drafts/corpus.py, an n-gram model of many answers) and corpus_depth > 0, a
 branch of that many tokens drafted from the corpus joins the trie (shared prefixes merged, room of its own): it
-finds the stock phrasing of answers that the prompt does not hold.
+finds the stock phrasing of answers that the prompt does not hold. With corpus_second > 0 a second corpus branch of
+that many tokens joins too: the corpus's runner-up next token, then greedy (NgramCorpus.branches).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class LookupSpec:
     total_tokens: int = 8  # trie nodes kept (the root excluded)
     weak_depth: int = 0  # branch length after a match shorter than max_ngram (0: tree_depth as well)
     corpus_depth: int = 0  # a corpus n-gram branch of this length beside the trie (decode/drafts/corpus.py); 0: none
+    corpus_second: int = 0  # a second corpus branch (the runner-up first token) of this length; 0: none
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -55,14 +57,17 @@ class LookupSpec:
         TreeSpec(self.tree_depth, self.top_k, self.total_tokens)  # validates the tree fields
         if self.corpus_depth < 0:
             raise UserError(f"prompt lookup needs corpus_depth >= 0, got {self.corpus_depth}")
+        if not 0 <= self.corpus_second <= self.corpus_depth:
+            raise UserError(f"prompt lookup needs 0 <= corpus_second <= corpus_depth, got {self.corpus_second} "
+                            f"(corpus_depth {self.corpus_depth})")
         if not 0 <= self.weak_depth <= self.tree_depth:
             raise UserError(f"prompt lookup needs 0 <= weak_depth <= tree_depth, got {self.weak_depth} "
                             f"(tree_depth {self.tree_depth})")
 
     @property
     def nodes(self) -> int:
-        """Nodes a proposal may hold beside the root: the trie's and the corpus branch's."""
-        return self.total_tokens + self.corpus_depth
+        """Nodes a proposal may hold beside the root: the trie's and the corpus branches'."""
+        return self.total_tokens + self.corpus_depth + self.corpus_second
 
     @property
     def tree(self) -> TreeSpec:
@@ -74,13 +79,15 @@ class LookupSpec:
         return cls(**known)
 
 
-def trie(root: int, conts: list[list[int]], total_tokens: int, extra: list[int] | None = None) -> DraftTree:
-    """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes; `extra`
-    (a corpus branch) is merged in last with room of its own (at most len(extra) nodes more)."""
+def trie(root: int, conts: list[list[int]], total_tokens: int, extra: list[list[int]] = ()) -> DraftTree:
+    """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes; the `extra`
+    branches (the corpus's) are merged in after them, each with room of its own (at most its length in nodes more)."""
     tokens, parents, depths = [root], [-1], [0]
     child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    for j, cont in enumerate(conts + ([extra] if extra else [])):
-        cap = total_tokens + (len(extra) if extra and j == len(conts) else 0)
+    cap = total_tokens
+    for j, cont in enumerate(list(conts) + list(extra)):
+        if j >= len(conts):
+            cap = len(tokens) - 1 + len(cont)
         node = 0
         for tok in cont:
             if (node, tok) not in child:
@@ -133,16 +140,18 @@ class NgramIndex:
 
 
 def lookup_trie(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,
-                corpus: "NgramCorpus | None" = None, chain: list[int] | None = None) -> DraftTree:
+                corpus: "NgramCorpus | None" = None, branches: list[list[int]] | None = None) -> DraftTree:
     """Lookup's proposal at `root` after the history `index` holds: the trie of up to `top_k` continuations (tree's
-    depth and node cap) and, with a corpus and spec.corpus_depth, the corpus's greedy branch beside it (`chain`: that
-    branch computed already, at least corpus_depth long where the corpus allows). The one function both the draft and
+    depth and node cap) and, with a corpus and spec.corpus_depth, the corpus's branches beside it (`branches`: those
+    computed already by NgramCorpus.branches, at least as deep as the spec asks). The one function both the draft and
     the search's replay (nas/kinds.py) call, so the replay is exact."""
     conts = index.continuations(root, tree.tree_depth, top_k, spec.weak_depth)
-    extra = None
-    if spec.corpus_depth and (chain is not None or corpus is not None):
-        extra = chain if chain is not None else corpus.chain(index.seq[-corpus.max_n:] + [root], spec.corpus_depth)
-        extra = extra[: spec.corpus_depth]
+    extra: list[list[int]] = []
+    if spec.corpus_depth and (branches is not None or corpus is not None):
+        if branches is None:
+            branches = corpus.branches(index.seq[-corpus.max_n:] + [root], spec.corpus_depth, spec.corpus_second)
+        extra = [branches[0][: spec.corpus_depth]] + [b[: spec.corpus_second] for b in branches[1:2]
+                                                      if spec.corpus_second]
     return trie(root, conts, tree.total_tokens, extra)
 
 
