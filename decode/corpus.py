@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-count", type=int, default=MIN_COUNT,
                    help=f"keep 2- and 3-grams seen at least this often (default: {MIN_COUNT}; 1: all)")
     p.add_argument("--max-n", type=int, default=MAX_N, help=f"longest n-gram counted, 1..{MAX_N} (default: {MAX_N})")
-    p.add_argument("--corpus-depth", type=int, default=4, help="tokens in the corpus branch (default: 4)")
-    p.add_argument("--corpus-second", type=int, default=2,
-                   help="tokens in the second corpus branch (the runner-up first token; 0: none; default: 2)")
+    # the defaults are what the cpu-scale search chose on its profile (README, "Measured so far")
+    p.add_argument("--corpus-depth", type=int, default=2, help="tokens in the corpus branch (default: 2)")
+    p.add_argument("--corpus-second", type=int, default=1,
+                   help="tokens in the second corpus branch (the runner-up first token; 0: none; default: 1)")
     p.add_argument("--lookup-depth", type=int, default=4, help="prompt-lookup branch length (default: 4)")
     p.add_argument("--max-ngram", type=int, default=2, help="prompt lookup's longest n-gram (default: 2)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--sharegpt must be >= 0, got {args.sharegpt}")
     if args.corpus_depth < 1:
         raise UserError(f"--corpus-depth must be >= 1, got {args.corpus_depth}")
+    if args.min_count < 1:
+        raise UserError(f"--min-count must be >= 1, got {args.min_count}")
     spec = LookupSpec(max_ngram=args.max_ngram, tree_depth=args.lookup_depth, top_k=1, total_tokens=args.lookup_depth,
                       corpus_depth=args.corpus_depth, corpus_second=args.corpus_second)
     for folder in args.data:

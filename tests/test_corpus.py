@@ -143,15 +143,15 @@ def test_lookup_trie_merges_a_second_corpus_branch():
         LookupSpec(corpus_depth=2, corpus_second=3)
 
 
-@pytest.mark.parametrize("merged", [False, True])
-def test_decoding_with_a_corpus_branch_is_lossless_and_accepts_more(tmp_path, merged):
+@pytest.mark.parametrize("merged,second", [(False, 0), (True, 0), (False, 2), (True, 2)])
+def test_decoding_with_a_corpus_branch_is_lossless_and_accepts_more(tmp_path, merged, second):
     """A corpus holding the target's own answer: the corpus branch gets accepted (fewer cycles than lookup alone) and
-    the output stays the target's, token for token."""
+    the output stays the target's, token for token (with a runner-up branch too)."""
     target = tiny_target("tiny-llama")
     prompt = tiny_prompt(target, "Count: one two three four")
     ref = vanilla_generate(target, prompt, 24).tokens
     corpus = NgramCorpus.build([ref, ref[::-1]], target.vocab_size)
-    spec = LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4)
+    spec = LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4, corpus_second=second)
     if merged:
         from decode.drafts import MergedDraft
         with_corpus = MergedDraft(make_draft("random:concat", target), spec, corpus=corpus)
@@ -185,6 +185,8 @@ def test_the_cli_writes_a_draft_folder_that_decodes_losslessly(tmp_path, capsys)
 
 @pytest.mark.parametrize("argv,match", [
     (["--corpus-depth", "0"], "corpus-depth"),
+    (["--min-count", "0"], "min-count"),
+    (["--corpus-depth", "2", "--corpus-second", "3"], "corpus_second"),
     (["--sharegpt", "-1"], "sharegpt"),
     (["--sharegpt", "0"], "no corpus"),
     (["--data", "/nonexistent/folder"], "not a folder"),

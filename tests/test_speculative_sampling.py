@@ -146,14 +146,30 @@ CASES = [
     ("sharp-full", "dynamic", "topk"),  # EAGLE-2 tree, point-mass rule
     ("layerskip", "static:2,2", "topk"),
     ("prompt-lookup", "dynamic", "topk"),
+    ("corpus-lookup", "dynamic", "topk"),  # prompt lookup + two corpus branches: the target's two likeliest starts
 ]
+
+
+def _corpus_lookup(target, prompt, keys, probs):
+    """Prompt lookup with a corpus whose greedy and runner-up branches after the prompt are the target's two likeliest
+    (x0, x1) pairs (so both get accepted, and their first tokens may coincide with the lookup trie's)."""
+    from decode.drafts import LookupSpec
+    from decode.drafts.corpus import NgramCorpus
+
+    tail = prompt.input_ids[0, -2:].tolist()
+    ranked = [keys[i] for i in probs[:-1].argsort(descending=True).tolist() if keys[i][1] is not None]
+    first, second = ranked[0], next(k for k in ranked if k[0] != ranked[0][0])
+    corpus = NgramCorpus.build([tail + list(first)] * 3 + [tail + list(second)] * 2, target.vocab_size)
+    spec = LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=2, corpus_second=2)
+    return PromptLookupDraft(spec=spec, corpus=corpus)
 
 
 @pytest.mark.parametrize("draft_name,tree,candidates", CASES)
 def test_speculative_sampling_matches_target_joint(setup, draft_name, tree, candidates):
     target, prompt, cfg, keys, probs = setup
-    draft = {"sharp-full": SharpFullDraft(target), "layerskip": LayerSkipDraft(1),
-             "prompt-lookup": PromptLookupDraft()}[draft_name]
+    draft = _corpus_lookup(target, prompt, keys, probs) if draft_name == "corpus-lookup" else {
+        "sharp-full": SharpFullDraft(target), "layerskip": LayerSkipDraft(1), "prompt-lookup": PromptLookupDraft()}[
+        draft_name]
     policy = TreePolicy.parse(tree, TreeSpec(2, 3, 6), candidates)
     counts = _joint_counts(target, prompt, draft, cfg, policy, 1200, keys)
     assert counts[-1] == 0  # nothing outside the target's support
