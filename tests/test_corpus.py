@@ -217,3 +217,37 @@ def test_data_folders_contribute_the_targets_next_tokens(tmp_path):
     (plain / "shard-00001.safetensors").write_bytes(b"junk")
     with pytest.raises(UserError, match="not a readable data shard"):
         data_items(plain)
+
+
+def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_they_change(tmp_path, monkeypatch):
+    """nas.pipeline.corpus_stage: ShareGPT answers + the distilled positions of the given data folders; reused while
+    its sources are the same, rebuilt when a folder joins or the file predates distilled sources."""
+    from safetensors.torch import save_file
+
+    import decode.corpus as corpus_cli
+    from nas.pipeline import PipelineConfig, corpus_stage
+
+    target = tiny_target("tiny-llama")
+    monkeypatch.setattr(corpus_cli, "sharegpt_answers", lambda tokenizer, n, cache_dir=None: [[1, 2, 3, 4]] * 3)
+    data = tmp_path / "data"
+    data.mkdir()
+    topk = torch.tensor([[2], [7], [8], [9], [0]])  # the "target" predicted 7 after "1 2" where the text has 3
+    save_file({"input_ids": torch.tensor([1, 2, 3, 4, 5]), "offsets": torch.tensor([0, 5]),
+               "prompt_len": torch.tensor([2]), "topk_ids": topk}, str(data / "shard-00000.safetensors"))
+    cfg = PipelineConfig(target="tiny-llama", root=str(tmp_path / "run"))
+    out = corpus_stage(cfg, target, [])
+    assert NgramCorpus.load(out).next_of([1, 2]) == 3 and len(NgramCorpus.read_info(out).sources) == 1
+    stamp = out.stat().st_mtime_ns
+    assert corpus_stage(cfg, target, []) == out and out.stat().st_mtime_ns == stamp  # reused
+    out = corpus_stage(cfg, target, [data])  # a data folder joined: rebuilt, with the target's own next tokens
+    info = NgramCorpus.read_info(out)
+    assert info.sources[1] == f"{data} (1 sequences)" and info.min_count == 2
+    back = NgramCorpus.load(out)
+    assert back.next_of([5, 1, 2]) == 3 and back.runner_up([5, 1, 2]) == 7  # 3 three times (ShareGPT), 7 once
+    stamp = out.stat().st_mtime_ns
+    assert corpus_stage(cfg, target, [data]) == out and out.stat().st_mtime_ns == stamp
+    # a corpus of the answers-only kind (its sources say "(N answers)") is built again
+    NgramCorpus.build([[1, 2, 3]], target.vocab_size, sources=("sharegpt train answers (3)", f"{data} (1 answers)")
+                      ).save(out)
+    corpus_stage(cfg, target, [data])
+    assert NgramCorpus.read_info(out).sources[1].endswith("(1 sequences)")
