@@ -12,6 +12,7 @@ import torch
 
 from decode.benchio import command_line
 from decode.drafts.pack import cpu_format
+from decode.runtime.compiled import compile_tag
 from decode.runtime.small_rows import linear_kernels
 from decode.space import SearchSpace
 from decode.targets.loader import load_target, pick_device, pick_dtype
@@ -95,7 +96,8 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
         hardware=info.hardware, predicted=False, device=info.to_dict(),
         # nas.hardware checks these: a stored profile measured with other kernels (or draft weights) is measured again
         versions=versions(info) | {"attention": target.model.config._attn_implementation, "linear": linear_kernels(),
-                                   "draft_weights": cpu_format() if target.device.type == "cpu" else "model"},
+                                   "draft_weights": cpu_format() if target.device.type == "cpu" else "model"}
+        | ({"compiled": compile_tag(target.device.type)} if target.runtime == "compiled" else {}),
         dtype=str(target.dtype).removeprefix("torch."), runtime=target.runtime,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command_line(),
         target=target_info(target), space=space.to_dict(), config=cfg.to_dict(), grids=grids.to_dict(),

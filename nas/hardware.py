@@ -21,6 +21,7 @@ from pathlib import Path
 
 from decode.drafts.pack import cpu_format
 from decode.errors import UserError
+from decode.runtime.compiled import compile_tag
 from decode.runtime.small_rows import linear_kernels
 from decode.targets.compat import fingerprint_diff
 from decode.targets.loader import pick_device
@@ -62,13 +63,17 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
     attention implementation (profiles before decode.targets.attention record none: transformers' SDPA, whose
     repeat_kv made every multi-token verify dearer), or, on a CPU, with other few-row linear kernels (profiles
     before decode.runtime.small_rows' cold-weight choice record none: one-row steps ran MKL's one-core GEMV, and
-    some 2-3 row verifies the slower product). None when both match or the profile is predicted."""
+    some 2-3 row verifies the slower product), or, for the compiled runtime, with other compile settings (profiles
+    before single-threaded CPU inductor kernels record none). None when all match or the profile is predicted."""
     if profile.predicted:
         return None
     checks = [("attention", target.model.config._attn_implementation, "tree attention", "verify costs differ")]
     if profile.device.get("kind") == "cpu":
         checks.append(("linear", linear_kernels(), "few-row linear kernels", "step and verify costs differ"))
         checks.append(("draft_weights", cpu_format(), "draft weights", "draft level costs differ"))
+    if profile.runtime == "compiled":
+        checks.append(("compiled", compile_tag(profile.device.get("kind") or "cpu"), "compiled graphs",
+                       "step and verify costs differ"))
     for key, have, what, why in checks:
         theirs = profile.versions.get(key)
         if theirs != have:

@@ -96,9 +96,15 @@ def test_a_cpu_profile_timed_with_the_other_draft_weights_is_stale(monkeypatch):
     target = tiny_target("tiny-llama")
     versions = {"attention": target.model.config._attn_implementation, "linear": small_rows.linear_kernels(),
                 "draft_weights": "fp32"}
-    profile = SimpleNamespace(predicted=False, device={"kind": "cpu"}, versions=versions)
+    profile = SimpleNamespace(predicted=False, device={"kind": "cpu"}, versions=versions, runtime="eager")
     assert "draft weights" in stale_kernels(profile, target)
     versions["draft_weights"] = cpu_format()
     assert stale_kernels(profile, target) is None
+    # a compiled-runtime profile also names how its graphs were compiled (single-threaded inductor kernels on a CPU)
+    compiled = SimpleNamespace(predicted=False, device={"kind": "cpu"}, versions=dict(versions), runtime="compiled")
+    assert "compiled graphs" in stale_kernels(compiled, target)
+    from decode.runtime.compiled import compile_tag
+    compiled.versions["compiled"] = compile_tag("cpu")
+    assert stale_kernels(compiled, target) is None and "cpp.threads=1" in compile_tag("cpu")
     monkeypatch.setenv(ENV, "fp32")
     assert "draft weights" in stale_kernels(profile, target)

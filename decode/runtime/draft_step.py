@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode.drafts.static_kv import StaticDraftKV
-from decode.runtime.compiled import allow_many_graphs
+from decode.runtime.compiled import compile_step
 from decode.runtime.small_rows import measure_linears
 
 if TYPE_CHECKING:
@@ -66,11 +66,10 @@ class DraftStepRunner:
 
     def __init__(self, model: "DraftModel", device: torch.device):
         self.model = model
-        mode = "reduce-overhead" if device.type == "cuda" else None
         self.kind = device.type  # bucket sizes per device type
-        allow_many_graphs()
-        self._compiled = torch.compile(self._level, dynamic=False, mode=mode)
-        self._graphs = mode == "reduce-overhead"  # CUDA graphs: outputs live in buffers the next replay overwrites
+        # CUDA graphs on a GPU (outputs live in buffers the next replay overwrites), single-threaded inductor kernels
+        # on a CPU (decode.runtime.compiled.CPU_OPTIONS)
+        self._compiled, self._graphs = compile_step(self._level, device.type)
         self._measured: set[int] = set()
         self.calls = {"compiled": 0, "eager": 0}  # levels run each way (tests, benchmarks)
 
