@@ -26,7 +26,7 @@ on the cpu profile preferred a 2-token chain and a 1-token second branch: predic
 1.88) against the corpus of answers with one branch.
 
 Storage: one safetensors file (never a pickle): sorted int64 n-gram codes, the most frequent next token of each and
-its count, the runner-up and its count (-1 / 0: none). A code packs n (2 bits) and the n token ids (`bits` each,
+its count, and the runner-up (-1: none). A code packs n (2 bits) and the n token ids (`bits` each,
 enough for the target's vocabulary); max_n is at most 3 so that every code fits in 63 bits for vocabularies up to
 2^20 tokens. `min_count` drops rarely seen 2- and 3-grams (decode/corpus.py keeps those seen twice: 2.5x smaller).
 Lookups are binary searches in those arrays (numpy), a few microseconds per drafted token.
@@ -88,10 +88,9 @@ class NgramCorpus:
     """The most frequent next token after every 1..max_n-gram of a corpus (module docstring)."""
 
     def __init__(self, keys: np.ndarray, next_token: np.ndarray, count: np.ndarray, info: CorpusInfo,
-                 second: np.ndarray | None = None, second_count: np.ndarray | None = None):
+                 second: np.ndarray | None = None):
         self.keys, self.next_token, self.count, self.info = keys, next_token, count, info
         self.second = second if second is not None else np.full(keys.size, -1, dtype=np.int32)  # runner-up; -1: none
-        self.second_count = second_count if second_count is not None else np.zeros(keys.size, dtype=np.int32)
         self.max_n, self.bits = info.max_n, info.bits
 
     # ------------------------------------------------------------------ building
@@ -157,34 +156,28 @@ class NgramCorpus:
         nxt_at = np.minimum(at + 1, pair_key.size - 1)  # the pair after it: the runner-up when it has the same key
         has2 = (at + 1 < pair_key.size) & (pair_key[nxt_at] == pair_key[at])
         second = np.where(has2, pair_next[nxt_at], -1).astype(np.int32)
-        second_count = np.where(has2, pair_count[nxt_at], 0).astype(np.int32)
         info = CorpusInfo(max_n, bits, int(vocab_size), len(ids), int(flat.size), tuple(sources), target_digest,
                           min_count)
-        return cls(pair_key[at], pair_next[at].astype(np.int32), pair_count[at].astype(np.int32), info,
-                   second, second_count)
+        return cls(pair_key[at], pair_next[at].astype(np.int32), pair_count[at].astype(np.int32), info, second)
 
     # ------------------------------------------------------------------ drafting
-    def _find(self, context: Sequence[int]) -> int | None:
-        """The index of the longest suffix of `context` (up to max_n tokens) the corpus holds; None if none."""
+    def _known(self, context: Sequence[int]) -> list[int]:
+        """The indices of the suffixes of `context` (up to max_n tokens) that the corpus holds, longest first (one
+        binary search for all of them)."""
         m = min(self.max_n, len(context))
-        if m == 0:
-            return None
         codes = []  # longest suffix first, packed as _codes packs them
         for n in range(m, 0, -1):
             code = n
             for i, tok in enumerate(context[-n:]):
                 code |= int(tok) << (2 + self.bits * i)
             codes.append(code)
-        at = np.searchsorted(self.keys, codes)
-        for code, i in zip(codes, at.tolist()):
-            if i < self.keys.size and int(self.keys[i]) == code:
-                return i
-        return None
+        at = np.searchsorted(self.keys, codes).tolist() if codes else []
+        return [i for code, i in zip(codes, at) if i < self.keys.size and int(self.keys[i]) == code]
 
     def next_of(self, context: Sequence[int]) -> int | None:
         """The corpus's next token after the longest suffix of `context` (up to max_n tokens) it holds; None if none."""
-        i = self._find(context)
-        return None if i is None else int(self.next_token[i])
+        known = self._known(context)
+        return int(self.next_token[known[0]]) if known else None
 
     def chain(self, context: Sequence[int], depth: int) -> list[int]:
         """Up to `depth` tokens drafted greedily after `context` (history + root)."""
@@ -201,20 +194,14 @@ class NgramCorpus:
     def runner_up(self, context: Sequence[int]) -> int | None:
         """The second most likely next token after `context`: the runner-up of its longest known suffix, or, where
         that suffix was only ever followed by one token, the best next of a shorter suffix that differs from it."""
-        ctx = list(context[-self.max_n:])
-        best = None
-        for n in range(min(self.max_n, len(ctx)), 0, -1):
-            i = self._find(ctx[-n:])
-            if i is None:
-                continue
-            if best is None:
-                best = int(self.next_token[i])
-                if self.second[i] >= 0:
-                    return int(self.second[i])
-            elif int(self.next_token[i]) != best:
-                return int(self.next_token[i])
-            elif self.second[i] >= 0:
-                return int(self.second[i])
+        known = self._known(context)
+        if not known:
+            return None
+        best = int(self.next_token[known[0]])
+        for i in known:  # the longest suffix's runner-up, else a shorter one's best or runner-up that is not `best`
+            for tok in (int(self.next_token[i]), int(self.second[i])):
+                if tok >= 0 and tok != best:
+                    return tok
         return None
 
     def branches(self, context: Sequence[int], depth: int, second_depth: int = 0) -> list[list[int]]:
@@ -233,8 +220,7 @@ class NgramCorpus:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         save_file({"keys": torch.from_numpy(self.keys), "next": torch.from_numpy(self.next_token),
-                   "count": torch.from_numpy(self.count), "next2": torch.from_numpy(self.second),
-                   "count2": torch.from_numpy(self.second_count)}, str(tmp),
+                   "count": torch.from_numpy(self.count), "next2": torch.from_numpy(self.second)}, str(tmp),
                   metadata={"format": FORMAT, "info": json.dumps(self.info.to_dict())})
         tmp.replace(path)  # atomic: a reader never sees half a corpus
         return path
@@ -268,8 +254,8 @@ class NgramCorpus:
         except (SafetensorError, OSError) as err:
             raise UserError(f"{path} is not a readable corpus file ({str(err).splitlines()[0][:120]}); "
                             "build it again with python -m decode.corpus") from None
-        second = [tensors[k].numpy() if k in tensors else None for k in ("next2", "count2")]  # none in v1 files
-        return cls(tensors["keys"].numpy(), tensors["next"].numpy(), tensors["count"].numpy(), info, *second)
+        second = tensors["next2"].numpy() if "next2" in tensors else None  # none in v1 files
+        return cls(tensors["keys"].numpy(), tensors["next"].numpy(), tensors["count"].numpy(), info, second)
 
 
 def corpus_file(path: str | Path) -> Path:
