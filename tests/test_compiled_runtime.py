@@ -206,6 +206,35 @@ def test_compiled_prefill_equals_the_eager_one_and_fills_the_static_cache():
         assert torch.equal(ks, k) and torch.equal(vs, v)
 
 
+def test_cpu_attention_reads_only_the_window_of_the_static_cache_without_recompiling():
+    """On a CPU the tree forward's mask (and so the keys attention reads) spans past + bucket positions, not the
+    whole static cache; the window's length is a dynamic dimension, so it grows every cycle without compiling."""
+    target = tiny_target("tiny-llava")
+    prompt = tiny_prompt(target, TEXT)
+    with single_thread():
+        target.use_runtime("compiled")
+        runner = target.static
+        assert runner.windowed
+        vanilla_generate(target, prompt, 4)  # compiles the one-token graph
+        seen = []
+        inner = runner._compiled
+
+        def spy(tokens, mask, positions, feature_layers):
+            seen.append((mask.shape[-1], runner.length, tokens.shape[1]))
+            return inner(tokens, mask, positions, feature_layers)
+
+        runner._compiled = spy
+        try:
+            before = graph_count()
+            res = vanilla_generate(target, prompt, 30)
+            assert graph_count() == before
+        finally:
+            runner._compiled = inner
+    assert len(seen) == res.target_forwards >= 20
+    assert all(width == past + b for width, past, b in seen)  # the window: committed entries + this tree
+    assert len({width for width, _, _ in seen}) == len(seen) and max(w for w, _, _ in seen) < runner.max_len
+
+
 def test_static_cache_is_sized_to_the_generation_and_grows_when_outrun():
     """The static cache holds prompt + reserve rounded up to GRAIN (attention spans all of it every step, so it is
     kept short); a generation that outruns its reserve gets a larger cache holding the committed entries and
@@ -218,7 +247,7 @@ def test_static_cache_is_sized_to_the_generation_and_grows_when_outrun():
         target.use_runtime("compiled")
         vanilla_generate(target, prompt, 6)
         size = target.static.max_len
-        assert size == cache_len(t + 6) and size % GRAIN == 0 and size - GRAIN < t + 6 <= size
+        assert size == cache_len(t + 7) and size % GRAIN == 0 and size - GRAIN < t + 7 <= size
         n = size - t + 4  # 4 tokens past the end of the cache
         target.use_runtime("eager")
         ref = vanilla_generate(target, prompt, n).tokens

@@ -40,6 +40,11 @@ def packed_gqa_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # the keys the mask covers: all of them, except under the compiled runtime's window over its static cache
+        # (a shorter mask; the cache's later positions are all masked), where attention reads only those. Sliced
+        # unconditionally: a length test would make torch.compile specialise the window's symbolic length
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     n_rep = getattr(module, "num_key_value_groups", 1)
     b, h, n, _ = query.shape
     packable = (
