@@ -341,3 +341,58 @@ def test_gpu_buckets_pad_far_and_change_no_token(monkeypatch):
             assert res.tokens == ref, label
             sizes += res.tree_sizes
     assert {bucket(n) for n in sizes if n > 1} == {64} and min(sizes) < 16  # one graph, padded by 48+ dummies
+
+
+def test_frozen_guards_drop_only_what_is_reached_through_the_named_attribute():
+    from types import SimpleNamespace
+
+    from decode.runtime.compiled import frozen_guards
+
+    names = ["self.target", "self.target.decoder.layers[0].weight", "self.target[0]", "self.targets", "self.cache",
+             "self", "tokens", "self._store", "G['torch']"]
+    keep = frozen_guards("target")([SimpleNamespace(name=n) for n in names])
+    assert keep == [False, False, False, True, True, True, True, True, True]
+
+
+def test_runners_of_two_targets_never_share_a_graph():
+    """Without guards on the model (frozen_guards), a graph traced for one target would pass every remaining guard
+    of another of the same shapes: each runner's serial number keeps their graphs apart."""
+    from decode.targets.loader import load_target
+
+    first = tiny_target("tiny-llama")
+    prompt = tiny_prompt(first, TEXT)
+    with single_thread():
+        torch.manual_seed(0)
+        second = load_target("tiny-llama", device="cpu", dtype="float32")  # the same shapes and config
+        with torch.no_grad():
+            second.lm_head.weight.mul_(-1.0)  # other weights: other tokens
+        ref = vanilla_generate(second, prompt, 12).tokens
+        first.use_runtime("compiled")
+        assert vanilla_generate(first, prompt, 12).tokens != ref
+        before = graph_count()
+        second.use_runtime("compiled")
+        assert vanilla_generate(second, prompt, 12).tokens == ref
+        assert graph_count() > before  # its own graphs, not the first target's
+
+
+def test_compiled_features_follow_the_feature_layers_asked_for_when_they_change_and_come_back():
+    """Hidden-state hooks are re-registered per feature-layer tuple, which the graph guards on: (1,), (2,) and (1,)
+    again each capture their own layer, as eager does."""
+    target = tiny_target("tiny-llava")
+    prompt = tiny_prompt(target, TEXT)
+    tokens = torch.tensor([5, 6, 7])
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()
+
+    def features(runtime, layers):
+        target.use_runtime(runtime)
+        target.prefill(prompt)
+        out = target.forward_tree(tokens, tree_mask=chain, feature_layers=layers)
+        target.keep([0])
+        return out.hidden
+
+    with single_thread():
+        for layers in ((1,), (2,), (1,), (1, 2)):
+            eager, compiled = features("eager", layers), features("compiled", layers)
+            assert sorted(compiled) == sorted(eager) == sorted(layers)
+            for k in layers:
+                torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)

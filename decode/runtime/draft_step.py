@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decode.drafts.static_kv import StaticDraftKV
-from decode.runtime.compiled import compile_step
+from decode.runtime.compiled import check_owner, compile_step, new_owner
 from decode.runtime.small_rows import measure_linears
 
 if TYPE_CHECKING:
@@ -69,12 +69,14 @@ class DraftStepRunner:
         self.kind = device.type  # bucket sizes per device type
         # CUDA graphs on a GPU (outputs live in buffers the next replay overwrites), single-threaded inductor kernels
         # on a CPU (decode.runtime.compiled.CPU_OPTIONS)
-        self._compiled, self._graphs = compile_step(self._level, device.type)
+        self.owner = new_owner()
+        self._compiled, self._graphs = compile_step(self._level, device.type, frozen="model")
         self._measured: set[int] = set()
         self.calls = {"compiled": 0, "eager": 0}  # levels run each way (tests, benchmarks)
 
     # ------------------------------------------------------------------ the traced function
     def _level(self, tokens, g, positions, allowed, ks, vs, mem_ks, mem_vs, mem_pos, last, last_only: bool):
+        check_owner(self)
         model = self.model
         mem = list(zip(mem_ks, mem_vs)) if mem_ks else [None] * len(ks)
         frame = _Frame(list(zip(ks, vs)), mem, mem_pos)
