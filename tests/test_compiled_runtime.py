@@ -236,9 +236,9 @@ def test_cpu_attention_reads_only_the_window_of_the_static_cache_without_recompi
 
 
 def test_static_cache_is_sized_to_the_generation_and_grows_when_outrun():
-    """The static cache holds prompt + reserve rounded up to GRAIN (attention spans all of it every step, so it is
-    kept short); a generation that outruns its reserve gets a larger cache holding the committed entries and
-    decodes on, token for token as eager."""
+    """The static cache holds prompt + reserve + 1 rounded up to GRAIN (CUDA graphs attend over all of it every
+    step, so it is kept short); a generation that outruns its reserve gets a larger cache holding the committed
+    entries and decodes on, token for token as eager."""
     target = tiny_target("tiny-llama")
     prompt = tiny_prompt(target, TEXT)
     t = prompt.length

@@ -304,7 +304,7 @@ class StaticRunner:
         positions = (past + offset + dep)[None]  # (1, B)
         if t.spec.mrope:
             positions = positions[None].expand(3, 1, b)
-        kv = min(self.max_len, past + b) if self.windowed else self.max_len
+        kv = past + b if self.windowed else self.max_len  # past + b <= max_len: the cache grew above if not
         mask = t._masks(tent, dep, dep, past, kv_len=kv)  # (1, 1, B, kv): the window, or the whole static cache
         if self.windowed:  # one graph for every window length ("maybe": at kv == max_len it may specialise)
             for m in (mask.values() if isinstance(mask, dict) else (mask,)):
