@@ -344,7 +344,7 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
 
     Designs are picked on the trials' sequences, then confirmed on the whole held-out set when it is larger."""
     from decode.arch import DraftArch
-    from nas.choose import choose, confirm_rows, format_table, kinds_rows
+    from nas.choose import choose, confirm_rows, format_table, kinds_rows, lookup_grids
     from nas.kinds import EarlyExit, KindScorer
     from nas.objective import SweepTau
     from nas.suggest import eagle_like
@@ -375,7 +375,7 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         tuned_whole = SweepTau(tuned_net, every, inp.target.num_layers, 1).sweep if tuned_net is not None else None
         whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit,
                                   corpus=inp.corpus, corpus_ms=scorer.corpus_ms)
-        rows = confirm_rows(rows, whole_scorer, whole.sweep, tuned_whole)
+        rows = confirm_rows(rows, whole_scorer, whole.sweep, tuned_whole, grids=lookup_grids(corpus_grid))
     chosen = choose(rows)
     text = format_table(rows, chosen, hardware)
     logger.log(logging.WARNING if chosen["kind"] == "none" else logging.INFO, "%s", text)

@@ -7,7 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import optuna
@@ -557,6 +557,49 @@ def test_rows_far_behind_the_best_are_not_confirmed():
     assert out["eagle"] is rows[4]  # 0.4x: left as the trials scored it
     assert [s.tree_depth for s in swept] == [3, 3] and out["best neural"]["sweep"] == 3  # one depth for both
     assert out["best neural"]["search"] == {"tau": 1.0, "tau_ci95": [1.0, 1.0], "speedup": 1.0, "sequences": 8}
+
+
+def test_lookup_rows_are_picked_again_over_their_grid_on_the_whole_set():
+    """The training-free lookup rows are re-picked over their grid on the whole held-out set (replays cost no
+    forward): a spec that won on the trials' few sequences does not stay fixed when another wins on all of them.
+    A lookup row without a grid keeps its spec."""
+    from decode.drafts.prompt_lookup import LookupSpec
+    from nas.choose import confirm_rows, lookup_grids
+    from nas.kinds import LOOKUP_ALONE_GRID
+
+    plain = LookupSpec(max_ngram=2, tree_depth=4, top_k=1, total_tokens=4)
+    two = LookupSpec(max_ngram=2, tree_depth=4, top_k=1, total_tokens=4, corpus_depth=2)
+    runner_up = LookupSpec(max_ngram=2, tree_depth=4, top_k=1, total_tokens=4, corpus_depth=2, corpus_second=1)
+
+    class Scorer:
+        seqs = [None] * 168
+
+        def vanilla(self):
+            return {"kind": "none", "speedup": 1.0, "tau": 1.0, "tau_ci95": [1.0, 1.0], "arch": None, "lookup": None}
+
+        def lookup(self, spec):  # the whole set prefers the runner-up branch
+            speedup = {plain: 1.2, two: 1.546, runner_up: 1.565}[spec]
+            return {"kind": "prompt-lookup", "speedup": speedup, "tau": speedup, "tau_ci95": [1.0, 1.0],
+                    "arch": None, "lookup": asdict(spec)}
+
+        def best_lookup(self, grid):
+            return max((self.lookup(s) for s in grid), key=lambda r: r["speedup"])
+
+    def row(label, spec, speedup):
+        return {"kind": "prompt-lookup", "speedup": speedup, "tau": 1.0, "tau_ci95": [1.0, 1.0], "sequences": 4,
+                "label": label, "arch": None, "lookup": asdict(spec)}
+
+    rows = [row("prompt + corpus lookup", two, 1.44), row("prompt lookup", plain, 1.15), row("other", two, 1.3)]
+    grids = lookup_grids((two, runner_up), lookup_grid=(plain,))
+    out = {r["label"]: r for r in confirm_rows(rows, Scorer(), None, grids=grids)}
+    assert LookupSpec(**out["prompt + corpus lookup"]["lookup"]) == runner_up
+    assert out["prompt + corpus lookup"]["speedup"] == 1.565 and out["prompt + corpus lookup"]["sequences"] == 168
+    assert out["prompt + corpus lookup"]["search"]["speedup"] == 1.44  # what the trials' sequences said
+    assert LookupSpec(**out["prompt lookup"]["lookup"]) == plain
+    assert LookupSpec(**out["other"]["lookup"]) == two  # no grid: its spec fixed
+    fixed = {r["label"]: r for r in confirm_rows(rows, Scorer(), None)}  # without grids: specs fixed, as before
+    assert LookupSpec(**fixed["prompt + corpus lookup"]["lookup"]) == two
+    assert lookup_grids() == {"prompt lookup": LOOKUP_ALONE_GRID}  # no corpus: no corpus row to pick
 
 
 @pytest.mark.parametrize("kernel", ["attention", "linear"])
