@@ -17,6 +17,11 @@ Resumable: with `ckpt_dir`, the supernet copy, AdamW's moments, the step and the
 `ckpt_every` steps and at the end (supernet/checkpoint.py: safetensors + JSON, renamed into place); a run with the
 same arch, config, sequences and supernet (`identity`) continues from there, bit-exact (the data order and the
 per-step loss seeds are replayed from the step), and a finished one is restored without training.
+
+Time budget: with `time_budget_s` > 0 fine-tuning also stops after that much wall-clock (counted across resumes: the
+checkpoint keeps the clock) and the cosine schedule follows whichever of steps and time runs out first, as
+supernet.train does. A scale's stage then costs at most that, whatever the chosen subnet's step costs: at cpu scale
+6000 steps took 10 min for a 4k-token-head subnet and 35 min for a 16k-token head with FFN 1536.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import logging
 import math
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,22 +63,26 @@ class FinetuneConfig:
     warmup: int = 20  # steps of linear warm-up: a fresh AdamW's first updates are its largest
     final_lr: float = 0.1  # cosine decay to this fraction of lr (a constant 3e-4 left the cpu scale's one-token
     #                        subnet at tau 1.281 after 1000 steps, below the supernet's 1.297)
+    time_budget_s: float = 0.0  # > 0: stop after this much fine-tuning wall-clock (the LR schedule follows it)
 
     @classmethod
-    def like_training(cls, steps: int, state: dict, lr: float = 3e-4) -> "FinetuneConfig":
+    def like_training(cls, steps: int, state: dict, lr: float = 3e-4, time_budget_s: float = 0.0) -> "FinetuneConfig":
         """Unroll depth and position subsampling as the supernet was trained (its checkpoint's config)."""
         train = state.get("config", {})
-        return cls(steps=steps, lr=lr, unroll=int(train.get("unroll", 3)),
+        return cls(steps=steps, lr=lr, time_budget_s=float(time_budget_s), unroll=int(train.get("unroll", 3)),
                    unroll_decay=float(train.get("unroll_decay", 0.7)), feat_weight=float(train.get("feat_weight", 0.2)),
                    max_positions=int(train.get("max_positions", 0)), grad_clip=float(train.get("grad_clip", 1.0)),
                    loss=str(train.get("loss", "full")), negatives=int(train.get("negatives", 0)),
                    full_positions=int(train.get("full_positions", 0)))
 
 
-def finetune_lr(cfg: FinetuneConfig, step: int) -> float:
-    """The learning rate of fine-tuning step `step` (0-based): linear warm-up, then a cosine to cfg.final_lr x lr."""
+def finetune_lr(cfg: FinetuneConfig, step: int, elapsed_s: float = 0.0) -> float:
+    """The learning rate of fine-tuning step `step` (0-based) after elapsed_s of fine-tuning: linear warm-up, then a
+    cosine to cfg.final_lr x lr over the steps or, with a time budget, over the time if that runs out first."""
     warm = min(1.0, (step + 1) / max(1, cfg.warmup))
     frac = min(1.0, step / max(1, cfg.steps - 1))
+    if cfg.time_budget_s > 0:
+        frac = max(frac, min(1.0, elapsed_s / cfg.time_budget_s))
     return cfg.lr * warm * (cfg.final_lr + (1.0 - cfg.final_lr) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
@@ -94,8 +104,9 @@ def _resume_point(ckpt_dir: Path | None, identity: dict) -> dict | None:
 def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, ids: list[int],
                     cfg: FinetuneConfig, ckpt_dir: Path | None = None, ckpt_every: int = 500,
                     identity: dict | None = None) -> dict:
-    """Train `arch`'s slices of `model` for cfg.steps sequences (one per step); -> {first_loss, last_loss, steps}.
-    ckpt_dir: save and resume there (module doc); `identity` = what else the run depends on (the supernet)."""
+    """Train `arch`'s slices of `model` for cfg.steps sequences (one per step) or until cfg.time_budget_s runs out;
+    -> {first_loss, last_loss, steps (those run), budget_spent}. ckpt_dir: save and resume there (module doc);
+    `identity` = what else the run depends on (the supernet)."""
     if not ids:
         return {"steps": 0}
     unroll = min(cfg.unroll, arch.tree_depth)  # steps past the tree's depth are never drafted
@@ -110,25 +121,40 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
     on_gpu = model.feat_fc.weight.device.type == "cuda"
     losses: list[float] = []
     order: list[int] = []
-    key = {"arch": arch.to_json(), "config": asdict(cfg), "sequences": list(ids), "run": identity or {}}
-    start = 0
+    config = asdict(cfg)
+    if not cfg.time_budget_s:  # checkpoints of before the budget existed stay this run's
+        del config["time_budget_s"]
+    key = {"arch": arch.to_json(), "config": config, "sequences": list(ids), "run": identity or {}}
+    start, spent, before_s = 0, False, 0.0  # before_s: fine-tuning wall-clock of the runs before a resume
     saved = _resume_point(ckpt_dir, key)
     if saved is not None:
         load_weights(ckpt_dir, model)
         load_optimizer(ckpt_dir, model, opt)
         start, losses = int(saved["step"]), [float(v) for v in saved["losses"]]
+        spent, before_s = bool(saved.get("budget_spent", False)), float(saved.get("elapsed_s", 0.0))
         logger.info("fine-tuning resumes at step %d of %d from %s", start, cfg.steps, ckpt_dir)
     for _ in range(start):  # replay the data order up to the saved step (no compute)
         if not order:
             order = rng.sample(ids, len(ids))
         order.pop()
-    for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="fine-tune", unit="step",
-                     disable=None):
+    t0 = time.perf_counter() - before_s
+    done = start
+    for step in tqdm(range(start, cfg.steps if not spent else start), initial=start, total=cfg.steps,
+                     desc="fine-tune", unit="step", disable=None):
+        elapsed = time.perf_counter() - t0
+        if cfg.time_budget_s > 0 and elapsed >= cfg.time_budget_s:
+            spent = True
+            logger.info("fine-tuning's time budget of %.0f s reached after %d of %d steps", cfg.time_budget_s, step,
+                        cfg.steps)
+            if ckpt_dir is not None:
+                save_checkpoint(Path(ckpt_dir), model, opt, {"identity": key, "step": step, "losses": losses,
+                                                             "elapsed_s": elapsed, "budget_spent": True})
+            break
         if not order:  # a fresh shuffle per epoch
             order = rng.sample(ids, len(ids))
         seq = data[order.pop()]
         for group in opt.param_groups:
-            group["lr"] = finetune_lr(cfg, step)
+            group["lr"] = finetune_lr(cfg, step, elapsed)
         with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
             loss, _ = subnet_losses(model, seq, loss_cfg, seed=cfg.seed * 1_000_003 + step, negatives=negatives)
         loss.backward()
@@ -136,11 +162,16 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        done = step + 1
         if ckpt_dir is not None and ((step + 1) % max(1, ckpt_every) == 0 or step + 1 == cfg.steps):
-            save_checkpoint(Path(ckpt_dir), model, opt, {"identity": key, "step": step + 1, "losses": losses})
+            save_checkpoint(Path(ckpt_dir), model, opt, {"identity": key, "step": step + 1, "losses": losses,
+                                                         "elapsed_s": time.perf_counter() - t0})
     model.eval()
+    if not losses:
+        return {"steps": done, "unroll": unroll, "budget_spent": spent}
     k = max(1, len(losses) // 4)  # mean of the first / last quarter: single-sequence losses are noisy
-    out = {"steps": cfg.steps, "unroll": unroll, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k}
-    logger.info("fine-tuned %s for %d steps (unroll %d): loss %.4f -> %.4f", arch.to_json(), cfg.steps, unroll,
+    out = {"steps": done, "unroll": unroll, "first_loss": sum(losses[:k]) / k, "last_loss": sum(losses[-k:]) / k,
+           "budget_spent": spent}
+    logger.info("fine-tuned %s for %d steps (unroll %d): loss %.4f -> %.4f", arch.to_json(), done, unroll,
                 out["first_loss"], out["last_loss"])
     return out

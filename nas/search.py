@@ -82,6 +82,8 @@ class SearchConfig:
     context: int | None = None
     scale: str = "demo"
     finetune_steps: int | None = None  # None: the scale's nas.finetune_steps (0: none)
+    finetune_minutes: float | None = None  # fine-tuning stops after this much wall-clock (None: the scale's
+    #                                        nas.finetune_time_budget_s; 0: no limit)
     finetune_data: str | None = None  # data folder read with the training data when fine-tuning (None: the pipeline's
     #                                   finetune-data/ where the scale has nas.finetune_data, else none)
     trial_sequences: int | None = None  # held-out sequences trials score on (None: the scale's; 0: all)
@@ -105,6 +107,8 @@ class SearchConfig:
             raise UserError(f"--max-memory-mb must be > 0, got {self.max_memory_mb}")
         if self.finetune_steps is not None and self.finetune_steps < 0:
             raise UserError(f"--finetune-steps must be >= 0, got {self.finetune_steps}")
+        if self.finetune_minutes is not None and not 0 <= self.finetune_minutes < float("inf"):
+            raise UserError(f"--finetune-minutes must be a number >= 0 (0: no limit), got {self.finetune_minutes}")
         if self.trial_sequences is not None and self.trial_sequences < 0:
             raise UserError(f"--trial-sequences must be >= 0 (0: all), got {self.trial_sequences}")
         if self.corpus not in (None, "none"):
@@ -304,13 +308,21 @@ def _with_corpus(folder: Path, lookup, inp: Inputs) -> None:
         shutil.copyfile(inp.corpus_path, folder / CORPUS_NAME)
 
 
-def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None):
+def finetune_budget_s(cfg: SearchConfig, defaults: dict) -> float:
+    """Fine-tuning's wall-clock budget in seconds: --finetune-minutes, else the scale's (0: none)."""
+    if cfg.finetune_minutes is not None:
+        return cfg.finetune_minutes * 60.0
+    return float(defaults.get("finetune_time_budget_s") or 0.0)
+
+
+def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None, time_budget_s: float = 0.0):
     """The best subnet fine-tuned alone for `steps` sequences on a copy of the supernet (the study's other
     subnets keep their weights) -> (the copy, fine-tuning info). Weight sharing costs the subnets of a
     supernet acceptance (README, "weight sharing"); training the chosen one alone wins some of it back
     (cpu scale, 6000 steps: held-out tau 1.297 -> 1.376; with the target's own answers, inp.finetune_data, read
     besides the training data: 1.392). Checkpointed in ckpt_dir every 500
-    steps: an interrupted search resumes its fine-tuning there, a finished one is reused."""
+    steps: an interrupted search resumes its fine-tuning there, a finished one is reused. time_budget_s > 0: it also
+    stops after that much wall-clock (nas/finetune.py)."""
     import copy
     import time
 
@@ -329,9 +341,11 @@ def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None):
         data = MixedData([data, extra])
     net = copy.deepcopy(inp.supernet)
     t0 = time.perf_counter()
-    logger.info("fine-tuning the best subnet alone for %d steps on %d sequences", steps, len(ids))
-    info = finetune_subnet(net, arch, data, ids, FinetuneConfig.like_training(steps, inp.state), ckpt_dir=ckpt_dir,
-                           identity=identity)
+    logger.info("fine-tuning the best subnet alone for %d steps%s on %d sequences", steps,
+                f" or {time_budget_s / 60:.0f} minutes" if time_budget_s > 0 else "", len(ids))
+    info = finetune_subnet(net, arch, data, ids, FinetuneConfig.like_training(steps, inp.state,
+                                                                              time_budget_s=time_budget_s),
+                           ckpt_dir=ckpt_dir, identity=identity)
     net.eval()
     info = {**info, "sequences": len(ids), "seconds": round(time.perf_counter() - t0, 1)}
     if inp.finetune_data is not None:
@@ -360,7 +374,8 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
     if steps and not done.empty:
         tuned_net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps,
-                                        ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune")
+                                        ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune",
+                                        time_budget_s=finetune_budget_s(cfg, inp.defaults))
         inp.tuned = (tuned_net, info)
         tuned_sweep = SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
@@ -579,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-steps", type=int, default=None,
                    help="fine-tune the best subnet alone for N sequences before choosing and exporting (its tau "
                         "is re-measured; default: the scale's, 300 at demo scale; 0: off)")
+    p.add_argument("--finetune-minutes", type=float, default=None, metavar="M",
+                   help="stop fine-tuning after M minutes of it even if steps remain; the learning-rate schedule "
+                        "follows whichever runs out first (default: the scale's, 15 at cpu scale; 0: no limit)")
     p.add_argument("--finetune-data", default=None, metavar="DIR",
                    help="a supernet.data folder (e.g. the target's own answers: --mode regenerate) that fine-tuning "
                         "reads besides the supernet's training data (default: the scale's nas.finetune_data, built "
@@ -616,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         study_name=args.study_name, sampler=args.sampler, out=args.out, seed=args.seed, heldout=args.heldout,
         heldout_data=args.heldout_data, max_params=args.max_params, max_memory_mb=args.max_memory_mb,
         pareto=args.pareto, tree=args.tree, sweep_cache=args.sweep_cache, context=args.context, scale=args.scale,
-        finetune_steps=args.finetune_steps, finetune_data=args.finetune_data, trial_sequences=args.trial_sequences,
+        finetune_steps=args.finetune_steps, finetune_minutes=args.finetune_minutes, finetune_data=args.finetune_data,
+        trial_sequences=args.trial_sequences,
         runtime=args.runtime, corpus=args.corpus,
         export=not args.no_export, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     res = run_search(cfg)

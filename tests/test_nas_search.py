@@ -734,6 +734,80 @@ def test_finetuning_resumes_bit_exact_after_a_kill(assets, tmp_path, monkeypatch
     assert len(trained) == 6 and "another run's" in caplog.text
 
 
+def test_finetuning_stops_at_its_time_budget_and_resumes_its_clock(assets, tmp_path, monkeypatch):
+    """With a time budget, fine-tuning stops once that much wall-clock has gone (a step here takes 10 s of a fake
+    clock: 25 s -> 3 of 50 steps), its cosine follows the time, and the checkpoint keeps the clock: killed after
+    its second step, a rerun trains one step more, and a run stopped by its budget is restored, not retrained."""
+    import nas.finetune as ft
+    from supernet.dataset import FeatureData
+
+    target = tiny_target(TARGET)
+    clock = [1000.0]
+    real = ft.subnet_losses
+    trained: list[int] = []
+    lrs: list[float] = []
+    kill_at = [None]
+
+    def ten_seconds(model, seq, cfg, **kw):
+        if kill_at[0] is not None and len(trained) == kill_at[0]:
+            raise KeyboardInterrupt
+        trained.append(kw["seed"])
+        clock[0] += 10.0
+        return real(model, seq, cfg, **kw)
+
+    monkeypatch.setattr(ft, "subnet_losses", ten_seconds)
+    monkeypatch.setattr(ft.time, "perf_counter", lambda: clock[0])
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+
+    def run(ckpt=None):
+        net, state = load_supernet(assets["supernet"], target)
+        cfg = replace(ft.FinetuneConfig.like_training(50, state, time_budget_s=25.0), warmup=1)
+        info = ft.finetune_subnet(net, net.space.largest(net.entropy_layer), FeatureData(state["data"], target),
+                                  [0, 1, 2], cfg, ckpt_dir=ckpt, ckpt_every=1, identity={"supernet": "x"})
+        return cfg, info
+
+    cfg, info = run()
+    assert len(trained) == 3 and info["steps"] == 3 and info["budget_spent"]
+    assert lrs == pytest.approx([ft.finetune_lr(cfg, s, 10.0 * s) for s in range(3)])
+    assert lrs[2] < ft.finetune_lr(cfg, 2) * 0.8  # the time, not the 50 steps, drives the decay
+    assert ft.finetune_lr(cfg, 3, 25.0) == pytest.approx(cfg.final_lr * cfg.lr)
+    ckpt = tmp_path / "finetune"
+    trained.clear()
+    kill_at[0] = 2  # killed in its third step, after the checkpoint of step 2 (20 s of fine-tuning)
+    with pytest.raises(KeyboardInterrupt):
+        run(ckpt)
+    kill_at[0] = None
+    trained.clear()
+    _, info = run(ckpt)
+    assert len(trained) == 1 and info["steps"] == 3 and info["budget_spent"]  # 20 s kept + one 10 s step
+    trained.clear()
+    _, info = run(ckpt)
+    assert trained == [] and info["steps"] == 3  # spent: restored without training
+
+
+def test_finetuning_budget_comes_from_the_flag_or_the_scale():
+    """--finetune-minutes sets fine-tuning's wall-clock budget, else the scale's (15 minutes at cpu scale, none at
+    demo scale); a negative or infinite value is one error line."""
+    from nas.pipeline import nas_defaults
+    from nas.search import SearchConfig, build_parser, finetune_budget_s
+
+    assert nas_defaults("cpu")["finetune_time_budget_s"] == 900 and nas_defaults("demo")["finetune_time_budget_s"] == 0
+    args = build_parser().parse_args(["--finetune-minutes", "2.5"])
+    assert args.finetune_minutes == 2.5
+    assert finetune_budget_s(SearchConfig(finetune_minutes=2.5), nas_defaults("cpu")) == 150.0
+    assert finetune_budget_s(SearchConfig(finetune_minutes=0), nas_defaults("cpu")) == 0.0
+    assert finetune_budget_s(SearchConfig(), nas_defaults("cpu")) == 900.0
+    for bad in (-1.0, float("inf")):
+        with pytest.raises(UserError, match="--finetune-minutes"):
+            SearchConfig(finetune_minutes=bad).check()
+
+
 def test_finetuning_reads_the_targets_own_answers_with_the_training_data(assets, tmp_path, monkeypatch):
     """--finetune-data: fine-tuning trains on the supernet's training data and that folder together (MixedData), the
     export records it; a folder of held-out prompts or a missing one is refused with one line before any work."""
