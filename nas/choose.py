@@ -58,9 +58,9 @@ def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals,
     supernet); adds its rows, alone and merged with lookup, marked "tuned". grid: the lookups merged with
     neural trees; lookup_grid: the (plain) lookups tried alone; corpus_grid: lookups with a corpus branch tried
     alone (a row of their own: plain prompt lookup always keeps its row)."""
-    rows = [{**scorer.vanilla(), "label": "vanilla"}, {**scorer.best_lookup(lookup_grid), "label": "prompt lookup"}]
-    if corpus_grid:
-        rows.append({**scorer.best_lookup(corpus_grid), "label": "prompt + corpus lookup"})
+    rows = [{**scorer.vanilla(), "label": "vanilla"}]
+    grids = lookup_grids(corpus_grid, lookup_grid)
+    rows += [{**scorer.best_lookup(grid), "label": label} for label, grid in grids.items()]
     skip = scorer.best_layerskip()
     if skip is not None:
         rows.append({**skip, "label": "layer-skip self-draft"})
@@ -88,7 +88,8 @@ def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals,
 
 def lookup_grids(corpus_grid: tuple[LookupSpec, ...] = (),
                  lookup_grid: tuple[LookupSpec, ...] = LOOKUP_ALONE_GRID) -> dict[str, tuple[LookupSpec, ...]]:
-    """The grids kinds_rows picked its lookup rows from, by label (confirm_rows picks them again on more sequences)."""
+    """The lookup rows' grids by label: kinds_rows picks each row's spec from its grid, confirm_rows again on more
+    sequences."""
     return {"prompt lookup": lookup_grid, **({"prompt + corpus lookup": corpus_grid} if corpus_grid else {})}
 
 

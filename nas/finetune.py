@@ -41,7 +41,7 @@ from decode.arch import DraftArch
 from supernet.checkpoint import STATE, load_optimizer, load_weights, read_state, recover, save_checkpoint
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
-from supernet.train import adamw
+from supernet.train import adamw, run_progress
 from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
@@ -80,9 +80,7 @@ def finetune_lr(cfg: FinetuneConfig, step: int, elapsed_s: float = 0.0) -> float
     """The learning rate of fine-tuning step `step` (0-based) after elapsed_s of fine-tuning: linear warm-up, then a
     cosine to cfg.final_lr x lr over the steps or, with a time budget, over the time if that runs out first."""
     warm = min(1.0, (step + 1) / max(1, cfg.warmup))
-    frac = min(1.0, step / max(1, cfg.steps - 1))
-    if cfg.time_budget_s > 0:
-        frac = max(frac, min(1.0, elapsed_s / cfg.time_budget_s))
+    frac = min(1.0, run_progress(step / max(1, cfg.steps - 1), elapsed_s, cfg.time_budget_s))
     return cfg.lr * warm * (cfg.final_lr + (1.0 - cfg.final_lr) * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
@@ -138,9 +136,8 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
             order = rng.sample(ids, len(ids))
         order.pop()
     t0 = time.perf_counter() - before_s
-    done = start
-    for step in tqdm(range(start, cfg.steps if not spent else start), initial=start, total=cfg.steps,
-                     desc="fine-tune", unit="step", disable=None):
+    end = start if spent else cfg.steps  # a run its budget stopped is finished
+    for step in tqdm(range(start, end), initial=start, total=cfg.steps, desc="fine-tune", unit="step", disable=None):
         elapsed = time.perf_counter() - t0
         if cfg.time_budget_s > 0 and elapsed >= cfg.time_budget_s:
             spent = True
@@ -161,12 +158,12 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        done = step + 1
+        losses.append(float(loss.detach()))  # one per step run, resumed runs' included
         if ckpt_dir is not None and ((step + 1) % max(1, ckpt_every) == 0 or step + 1 == cfg.steps):
             save_checkpoint(Path(ckpt_dir), model, opt, {"identity": key, "step": step + 1, "losses": losses,
                                                          "elapsed_s": time.perf_counter() - t0})
     model.eval()
+    done = len(losses)
     if not losses:
         return {"steps": done, "unroll": unroll, "budget_spent": spent}
     k = max(1, len(losses) // 4)  # mean of the first / last quarter: single-sequence losses are noisy

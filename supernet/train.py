@@ -104,10 +104,14 @@ class TrainConfig:
         whichever runs out first, steps or time (so runs of equal wall-clock all end their schedule)."""
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
-        t = (step - self.warmup) / max(1, self.steps - self.warmup)
-        if self.time_budget_s > 0:
-            t = max(t, elapsed_s / self.time_budget_s)
+        t = run_progress((step - self.warmup) / max(1, self.steps - self.warmup), elapsed_s, self.time_budget_s)
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def run_progress(step_fraction: float, elapsed_s: float, time_budget_s: float) -> float:
+    """How far a run is through its schedule: its share of the steps or, with a time budget (> 0), of the time when
+    that runs out first (schedules then end with the run, whichever stops it)."""
+    return max(step_fraction, elapsed_s / time_budget_s) if time_budget_s > 0 else step_fraction
 
 
 # TrainConfig fields that say where and how long a run trains, not what it learns: a cached checkpoint that
@@ -165,9 +169,7 @@ def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig, elapsed_s: float
     rng = random.Random(cfg.seed * 1_000_003 + step)
     space, e = model.space, model.entropy_layer
     largest = space.largest(e)
-    progress = step / cfg.steps
-    if cfg.time_budget_s > 0:
-        progress = max(progress, elapsed_s / cfg.time_budget_s)
+    progress = run_progress(step / cfg.steps, elapsed_s, cfg.time_budget_s)
     if cfg.schedule == "progressive" and progress < 1 / 3:
         return [("largest", largest)]
     if cfg.schedule == "progressive" and progress < 2 / 3:
