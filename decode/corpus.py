@@ -8,10 +8,10 @@
 Tokenises the train-split ShareGPT answers (the offline copy the project prepares; held-out prompts are never
 read) with the target's tokenizer, adds every position of any feature-data folders given with --data, paired with
 the token the target itself predicted there (the shards' stored top-1: a distilled corpus, what the target would
-say; a regenerated folder holds the target's own answers), counts the two most frequent next tokens of every
-1..3-gram (decode/drafts/corpus.py) and writes a draft folder: draft_config.json of kind prompt-lookup with corpus
-branches, and corpus.safetensors. `--draft DIR` then drafts each cycle a prompt-lookup trie and a corpus
-branch in one tree; the target verifies both, so the output is the target's own, token for token.
+say; a regenerated folder holds the target's own answers, which count OWN_WEIGHT times), counts the two most
+frequent next tokens of every 1..3-gram (decode/drafts/corpus.py) and writes a draft folder: draft_config.json of
+kind prompt-lookup with corpus branches, and corpus.safetensors. `--draft DIR` then drafts each cycle a prompt-lookup
+trie and a corpus branch in one tree; the target verifies both, so the output is the target's own, token for token.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ from decode.errors import UserError
 # 2- and 3-grams seen once are dropped: for the cpu scale's corpus that kept 0.94M of 2.35M n-grams (23 MB against 56)
 # and moved the best corpus lookup's replayed tau on its 168 held-out sequences from 1.876 to 1.870
 MIN_COUNT = 2
+# each position of a folder of the target's own answers (supernet.data --mode regenerate) counts this many times:
+# on the cpu scale's held-out sequences 1 / 2 / 4 / 8 / 16 gave tau 1.870 / 1.886 / 1.889 / 1.894 / 1.890
+# (decode/drafts/corpus.py, "Weights")
+OWN_WEIGHT = 8
 
 
 def sharegpt_answers(tokenizer, n: int | None, cache_dir: Path | None = None, max_chars: int = 4000) -> list[list[int]]:
@@ -71,22 +75,48 @@ def data_items(folder: str | Path) -> list[tuple[list[int], list[int]] | list[in
     return out
 
 
+def data_weight(folder: str | Path, own_weight: int = OWN_WEIGHT) -> int:
+    """How many times a feature-data folder's positions count: own_weight for the target's own answers (a folder
+    built in regenerate mode), 1 for teacher-forced data (its manifest's mode)."""
+    try:
+        mode = json.loads((Path(folder) / "manifest.json").read_text()).get("content", {}).get("mode")
+    except (OSError, ValueError, AttributeError):
+        mode = None  # no readable manifest: counted once (data_items names a folder without shards)
+    return own_weight if mode == "regenerate" else 1
+
+
+def label_end(weight: int) -> str:
+    """How a data folder's entry in CorpusInfo.sources ends: 'sequences)', or 'sequences xW)' when counted W times."""
+    return "sequences)" if weight == 1 else f"sequences x{weight})"
+
+
+def source_label(folder: str | Path, sequences: int, weight: int) -> str:
+    """A data folder's entry in CorpusInfo.sources: '<folder> (N sequences)', '<folder> (N sequences xW)'."""
+    return f"{folder} ({sequences} {label_end(weight)}"
+
+
 def build_corpus(target, sharegpt: int | None = None, data: list[Path] | tuple = (), max_n: int = MAX_N,
-                 cache_dir: Path | None = None, min_count: int = MIN_COUNT) -> NgramCorpus:
+                 cache_dir: Path | None = None, min_count: int = MIN_COUNT,
+                 own_weight: int = OWN_WEIGHT) -> NgramCorpus:
     """The corpus of `target`'s tokens: the first `sharegpt` train-split ShareGPT answers (None: all; 0: none) and the
-    distilled positions (data_items) of the feature-data folders in `data`."""
-    seqs, sources = [], []
+    distilled positions (data_items) of the feature-data folders in `data`, the target's own answers counted
+    `own_weight` times (data_weight)."""
+    if own_weight < 1:
+        raise UserError(f"--own-weight must be >= 1, got {own_weight}")
+    seqs, weights, sources = [], [], []
     if sharegpt != 0:
         seqs += sharegpt_answers(target.tokenizer, sharegpt, cache_dir)
+        weights += [1] * len(seqs)
         sources.append(f"sharegpt train answers ({len(seqs)})")
     for folder in data:
-        more = data_items(folder)
+        more, w = data_items(folder), data_weight(folder, own_weight)
         seqs += more
-        sources.append(f"{folder} ({len(more)} sequences)")
+        weights += [w] * len(more)
+        sources.append(source_label(folder, len(more), w))
     if not seqs:
         raise UserError("no corpus: pass --sharegpt N > 0 or --data DIR")
     return NgramCorpus.build(seqs, target.vocab_size, max_n, tuple(sources),
-                             target.fingerprint().to_dict().get("weights_digest", ""), min_count)
+                             target.fingerprint().to_dict().get("weights_digest", ""), min_count, weights)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "token there (repeatable)")
     p.add_argument("--min-count", type=int, default=MIN_COUNT,
                    help=f"keep 2- and 3-grams seen at least this often (default: {MIN_COUNT}; 1: all)")
+    p.add_argument("--own-weight", type=int, default=OWN_WEIGHT, metavar="W",
+                   help="count each position of a --data folder of the target's own answers (built with "
+                        f"supernet.data --mode regenerate) W times (default: {OWN_WEIGHT}; 1: like the rest)")
     p.add_argument("--max-n", type=int, default=MAX_N, help=f"longest n-gram counted, 1..{MAX_N} (default: {MAX_N})")
     # the defaults are what the cpu-scale search chose on its profile (README, "Measured so far")
     p.add_argument("--corpus-depth", type=int, default=2, help="tokens in the corpus branch (default: 2)")
@@ -121,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--corpus-depth must be >= 1, got {args.corpus_depth}")
     if args.min_count < 1:
         raise UserError(f"--min-count must be >= 1, got {args.min_count}")
+    if args.own_weight < 1:
+        raise UserError(f"--own-weight must be >= 1, got {args.own_weight}")
     spec = LookupSpec(max_ngram=args.max_ngram, tree_depth=args.lookup_depth, top_k=1, total_tokens=args.lookup_depth,
                       corpus_depth=args.corpus_depth, corpus_second=args.corpus_second)
     for folder in args.data:
@@ -133,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     target = load_target(args.target, device="cpu", dtype="float32", cache_dir=args.cache_dir)
-    corpus = build_corpus(target, args.sharegpt, args.data, args.max_n, args.cache_dir, args.min_count)
+    corpus = build_corpus(target, args.sharegpt, args.data, args.max_n, args.cache_dir, args.min_count,
+                          args.own_weight)
     meta = {"corpus": corpus.info.to_dict(), "command": "python -m decode.corpus", "lookup": asdict(spec)}
     save_training_free(args.out, "prompt-lookup", target, spec, metadata=meta)
     corpus.save(args.out / CORPUS_NAME)

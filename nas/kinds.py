@@ -3,7 +3,7 @@
     vanilla         plain decoding: 1.00x by definition
     prompt-lookup   n-gram lookup in the prompt and output so far (decode.drafts.prompt_lookup), over a grid
                     of LookupSpecs (n-gram sizes, branch length, branches); with a corpus (decode/drafts/corpus.py)
-                    also corpus branches (CORPUS_BRANCHES) beside single-branch lookups, alone and merged
+                    also corpus branches (CORPUS_BRANCHES, WIDE_CORPUS) beside them, alone and merged
     neural          a subnet of the supernet with its best tree for the device (the Optuna study's trials)
     neural+lookup   the neural tree and the lookup trie merged into one verified tree (decode.drafts.merged)
     layerskip       the target's first K layers (K a stored feature layer) drafting a chain of depth D
@@ -62,12 +62,20 @@ LAYERSKIP_DEPTHS = (1, 2, 3, 4)  # chain depths tried for the layer-skip self-dr
 # a corpus, as (first branch, second branch) lengths: on the 168 demo held-out sequences a 4-token corpus branch took
 # lookup's replayed tau from 1.29 to 1.71; on the cpu scale's, a 2-token second branch beside it 1.83 -> 1.94
 CORPUS_BRANCHES = ((2, 0), (4, 0), (2, 1), (4, 1), (4, 2))
+# and the widest of them beside every other lookup of the grid (two branches, 8 tokens, weak matches): a device whose
+# verify costs the same for 16 tokens as for 60 (a GPU) pairs wide neural trees with wide lookups (the h200 design:
+# lookup 8x2/16), and a few more corpus tokens cost it nothing
+WIDE_CORPUS = ((4, 2),)
 
 
 def with_corpus(grid: tuple[LookupSpec, ...]) -> tuple[LookupSpec, ...]:
-    """Corpus-branch variants of the grid's single-branch, full-depth lookups of length <= 4."""
+    """Corpus-branch variants of the grid's lookups: CORPUS_BRANCHES beside the single-branch, full-depth lookups of
+    length <= 4, WIDE_CORPUS beside the others."""
+    def narrow(s: LookupSpec) -> bool:
+        return s.top_k == 1 and not s.weak_depth and s.tree_depth <= 4
+
     return tuple(replace(s, corpus_depth=c, corpus_second=b) for s in grid
-                 if s.top_k == 1 and not s.weak_depth and s.tree_depth <= 4 for c, b in CORPUS_BRANCHES)
+                 for c, b in (CORPUS_BRANCHES if narrow(s) else WIDE_CORPUS))
 
 
 @dataclass(frozen=True)

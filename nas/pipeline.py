@@ -187,15 +187,16 @@ def corpus_stage(cfg: PipelineConfig, target: TargetModel, data: list[Path] | tu
     ShareGPT answer and every position of the feature-data folders `data` with the target's own next token there (the
     training data; the target's answers, finetune_data_stage); 20-40 s on 2 cores. Rebuilt when its sources differ (a
     fine-tuning data stage that ran since, a corpus of an older format)."""
-    from decode.corpus import build_corpus
+    from decode.corpus import build_corpus, data_weight, label_end
     from decode.drafts.corpus import NgramCorpus
 
     out = cfg.run_dir / "corpus.safetensors"
     with stage_lock(cfg, "corpus"):
-        if out.is_file():  # its sources: "sharegpt train answers (N)", then "<folder> (N sequences)" per data folder
-            have = NgramCorpus.read_info(out).sources  # (older corpora said "(N answers)": answers only, no runner-up)
+        if out.is_file():  # its sources: "sharegpt train answers (N)", then "<folder> (N sequences[ xW])" per folder
+            have = NgramCorpus.read_info(out).sources  # (older corpora said "(N answers)": answers only, no runner-up;
+            # or counted the target's own answers once)
             if [s.rsplit(" (", 1)[0] for s in have[1:]] == [str(d) for d in data] \
-                    and all(s.endswith(" sequences)") for s in have[1:]):
+                    and all(s.endswith(" " + label_end(data_weight(d))) for s, d in zip(have[1:], data)):
                 logger.info("corpus stage: reusing %s", out)
                 return out
         logger.warning("corpus stage: counting n-grams of ShareGPT train answers%s -> %s",

@@ -77,6 +77,21 @@ def test_distilled_items_count_the_targets_own_next_token():
         NgramCorpus.build([([1, 2, 3], [5, 6])], vocab_size=10)
 
 
+def test_a_weighted_item_counts_as_that_item_repeated():
+    """weights=[w, ...]: every n-gram count (min_count and runner-ups included) as if the item were there w times."""
+    items = [[1, 2, 3, 4], ([1, 2, 5, 6], [2, 7, 6, -1]), [9, 2, 7], [1, 2, 3]]
+    weighted = NgramCorpus.build(items, vocab_size=10, min_count=2, weights=[1, 4, 1, 2])
+    repeated = NgramCorpus.build([items[0]] + [items[1]] * 4 + [items[2]] + [items[3]] * 2, vocab_size=10, min_count=2)
+    for name in ("keys", "next_token", "count", "second"):
+        assert (getattr(weighted, name) == getattr(repeated, name)).all(), name
+    assert weighted.info.tokens == 14 and weighted.info.sequences == 4  # the corpus's real size, not the weighted one
+    assert weighted.next_of([1, 2]) == 7  # distilled "1 2 -> 7" four times beats "1 2 -> 3" three times (1 + 1 x2)
+    assert NgramCorpus.build(items, vocab_size=10).next_of([1, 2]) == 3  # unweighted: 3 twice, 7 once
+    for bad in ([1, 1], [1, 0, 1, 1]):
+        with pytest.raises(UserError, match="weights"):
+            NgramCorpus.build(items, vocab_size=10, weights=bad)
+
+
 def test_save_and_load_round_trip_and_bad_files(tmp_path):
     corpus = NgramCorpus.build([[1, 2, 3, 1, 2, 4]], vocab_size=300, sources=("test",))
     path = corpus.save(tmp_path / CORPUS_NAME)
@@ -139,6 +154,9 @@ def test_lookup_trie_merges_a_second_corpus_branch():
     tree = lookup_trie(index2, 3, spec1, spec1.tree, 1, corpus)
     assert tree.tokens.tolist() == [3, 9, 7, 8, 4, 5] and tree.parents.tolist() == [-1, 0, 0, 2, 0, 4]
     assert spec1.nodes == 5
+    # the compiled runtime reserves cache room for max_nodes: the second branch's nodes count too
+    from decode.loop.tree import TreePolicy
+    assert PromptLookupDraft(spec=spec1, corpus=corpus).max_nodes(TreePolicy(spec=spec1.tree)) == tree.size == 6
     with pytest.raises(UserError, match="corpus_second"):
         LookupSpec(corpus_depth=2, corpus_second=3)
 
@@ -186,6 +204,7 @@ def test_the_cli_writes_a_draft_folder_that_decodes_losslessly(tmp_path, capsys)
 @pytest.mark.parametrize("argv,match", [
     (["--corpus-depth", "0"], "corpus-depth"),
     (["--min-count", "0"], "min-count"),
+    (["--own-weight", "0"], "own-weight"),
     (["--corpus-depth", "2", "--corpus-second", "3"], "corpus_second"),
     (["--sharegpt", "-1"], "sharegpt"),
     (["--sharegpt", "0"], "no corpus"),
@@ -219,12 +238,40 @@ def test_data_folders_contribute_the_targets_next_tokens(tmp_path):
         data_items(plain)
 
 
+def test_the_targets_own_answers_count_own_weight_times(tmp_path):
+    """A folder built in regenerate mode (its manifest says so) counts OWN_WEIGHT times (or --own-weight),
+    teacher-forced data once; the corpus's sources say how often."""
+    from safetensors.torch import save_file
+
+    from decode.corpus import OWN_WEIGHT, build_corpus, data_weight
+
+    target = tiny_target("tiny-llama")
+    folders = {}
+    for mode, nexts in (("teacher", [3, 4, 5, 0]), ("regenerate", [3, 6, 5, 0])):  # after "1 2": 4 or 6
+        folders[mode] = tmp_path / mode
+        folders[mode].mkdir()
+        save_file({"input_ids": torch.tensor([1, 2, 3, 4]), "offsets": torch.tensor([0, 4]),
+                   "prompt_len": torch.tensor([1]), "topk_ids": torch.tensor(nexts).reshape(4, 1)},
+                  str(folders[mode] / "shard-00000.safetensors"))
+        (folders[mode] / "manifest.json").write_text(json.dumps({"content": {"mode": mode}}))
+    teacher, own = folders["teacher"], folders["regenerate"]
+    assert data_weight(teacher) == 1 and data_weight(own) == OWN_WEIGHT > 1 and data_weight(own, 3) == 3
+    assert data_weight(tmp_path) == 1  # no manifest: once
+    # the teacher folder twice against the own answers once: the own answers win only when weighted
+    corpus = build_corpus(target, 0, [teacher, teacher, own], min_count=1)
+    assert corpus.next_of([1, 2]) == 6 and corpus.runner_up([1, 2]) == 4
+    assert corpus.info.sources[2] == f"{own} (1 sequences x{OWN_WEIGHT})" and corpus.info.sources[0].endswith("ces)")
+    corpus = build_corpus(target, 0, [teacher, teacher, own], min_count=1, own_weight=1)
+    assert corpus.next_of([1, 2]) == 4 and corpus.info.sources[2] == f"{own} (1 sequences)"
+
+
 def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_they_change(tmp_path, monkeypatch):
     """nas.pipeline.corpus_stage: ShareGPT answers + the distilled positions of the given data folders; reused while
     its sources are the same, rebuilt when a folder joins or the file predates distilled sources."""
     from safetensors.torch import save_file
 
     import decode.corpus as corpus_cli
+    from decode.corpus import OWN_WEIGHT
     from nas.pipeline import PipelineConfig, corpus_stage
 
     target = tiny_target("tiny-llama")
@@ -251,3 +298,9 @@ def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_the
                       ).save(out)
     corpus_stage(cfg, target, [data])
     assert NgramCorpus.read_info(out).sources[1].endswith("(1 sequences)")
+    # the same folder now holds the target's own answers (regenerate mode): counted OWN_WEIGHT times, so rebuilt
+    (data / "manifest.json").write_text(json.dumps({"content": {"mode": "regenerate"}}))
+    corpus_stage(cfg, target, [data])
+    assert NgramCorpus.read_info(out).sources[1] == f"{data} (1 sequences x{OWN_WEIGHT})"
+    stamp = out.stat().st_mtime_ns
+    assert corpus_stage(cfg, target, [data]) == out and out.stat().st_mtime_ns == stamp

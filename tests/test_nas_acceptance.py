@@ -229,6 +229,22 @@ def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
     assert Replay([(4, 4)]).tau_interval() == (1.0, 1.0)
 
 
+def test_every_lookup_of_the_grid_gets_corpus_branches():
+    """with_corpus: all CORPUS_BRANCHES beside the narrow lookups (one branch, full matches, <= 4 tokens), the widest
+    beside the rest (two branches, 8 tokens, weak matches: what a GPU pairs with wide neural trees)."""
+    from decode.drafts.prompt_lookup import LookupSpec
+    from nas.kinds import CORPUS_BRANCHES, LOOKUP_GRID, WIDE_CORPUS, with_corpus
+
+    grid = with_corpus(LOOKUP_GRID)
+    for spec in LOOKUP_GRID:
+        variants = {(s.corpus_depth, s.corpus_second) for s in grid
+                    if replace(s, corpus_depth=0, corpus_second=0) == spec}
+        narrow = spec.top_k == 1 and not spec.weak_depth and spec.tree_depth <= 4
+        assert variants == set(CORPUS_BRANCHES if narrow else WIDE_CORPUS), spec
+    assert LookupSpec(max_ngram=2, tree_depth=8, top_k=2, total_tokens=16, corpus_depth=4, corpus_second=2) in grid
+    assert all(s.corpus_depth for s in grid) and len(set(grid)) == len(grid)
+
+
 def test_corpus_lookup_replay_equals_real_decoding(trained):
     """Lookup with corpus branches (decode/drafts/corpus.py; one, and two with the runner-up), alone and merged with a
     neural subnet: the replay gives real decoding's cycles, tokens, accepted-length histogram and tree sizes, and the
@@ -253,7 +269,8 @@ def test_corpus_lookup_replay_equals_real_decoding(trained):
     corpus_hits = 0
     for spec in (LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4),
                  LookupSpec(max_ngram=3, tree_depth=4, top_k=1, total_tokens=4, corpus_depth=2),
-                 LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4, corpus_second=2)):
+                 LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=4, corpus_second=2),
+                 LookupSpec(max_ngram=2, tree_depth=4, top_k=2, total_tokens=8, corpus_depth=4, corpus_second=2)):
         plain = replace(spec, corpus_depth=0, corpus_second=0)
         for merged in (False, "union", "switch"):
             rep = scorer.replay_neural(arch, sweep, spec, rule=merged) if merged else scorer.replay_lookup(spec)

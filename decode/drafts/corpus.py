@@ -25,6 +25,13 @@ Two branches. Each n-gram also keeps its second most frequent next token, so a p
 on the cpu profile preferred a 2-token chain and a 1-token second branch: predicted 1.609x -> 1.714x (tau 1.74 ->
 1.88) against the corpus of answers with one branch.
 
+Weights. Counting the target's own greedy answers (a regenerated folder) several times over pays: held-out decoding
+continues the target's own text, and those answers are that text. On the cpu scale's 168 held-out sequences (lookup
+n<=2 4x1/4 + corpus 2+1, exact replay): 88.8k positions of the target's answers to 480 prompts took tau from 1.816
+(ShareGPT answers + 443k distilled teacher-forced positions) to 1.870, where those 443k had added only 0.032 to the
+answers alone; the same answers counted 2 / 4 / 8 / 16 times: 1.886 / 1.889 / 1.894 / 1.890 (decode/corpus.py counts
+them OWN_WEIGHT = 8 times). A position with weight w counts as w occurrences, min_count included.
+
 Storage: one safetensors file (never a pickle): sorted int64 n-gram codes, the most frequent next token of each and
 its count, and the runner-up (-1: none). A code packs n (2 bits) and the n token ids (`bits` each,
 enough for the target's vocabulary); max_n is at most 3 so that every code fits in 63 bits for vocabularies up to
@@ -97,10 +104,12 @@ class NgramCorpus:
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int] | tuple[Sequence[int], Sequence[int]]], vocab_size: int,
               max_n: int = MAX_N, sources: tuple[str, ...] = (), target_digest: str = "",
-              min_count: int = 1) -> "NgramCorpus":
+              min_count: int = 1, weights: Sequence[int] | None = None) -> "NgramCorpus":
         """Count next tokens over items (n-grams never cross an item boundary): a plain token sequence, or a distilled
         pair (ids, nexts) of equal length where nexts[j] follows ids[..j] (-1: no next there; module docstring).
-        min_count > 1 drops the n-grams (n >= 2) seen fewer times than that: lookups back off to a shorter suffix."""
+        min_count > 1 drops the n-grams (n >= 2) seen fewer times than that: lookups back off to a shorter suffix.
+        weights: per item, how many times each of its positions counts (None: once; the same counts as the item
+        repeated that often), e.g. more for the target's own answers (module docstring, "Weights")."""
         if not 1 <= max_n <= MAX_N:
             raise UserError(f"corpus n-grams must be 1..{MAX_N} tokens long, got {max_n}")
         if min_count < 1:
@@ -109,8 +118,13 @@ class NgramCorpus:
         if max_n * bits + 2 > 63:
             raise UserError(f"a vocabulary of {vocab_size} tokens is too large for {max_n}-gram codes; "
                             "use a smaller max_n")
-        ids, nexts = [], []  # per item: (T_i,) context tokens and (T_i,) the token after each (-1: none)
-        for item in sequences:
+        sequences = list(sequences)
+        weights = [1] * len(sequences) if weights is None else [int(w) for w in weights]
+        if len(weights) != len(sequences) or min(weights, default=1) < 1:
+            raise UserError(f"corpus weights must be one integer >= 1 per item ({len(sequences)} items), "
+                            f"got {len(weights)} weights, smallest {min(weights, default=1)}")
+        ids, nexts, wts = [], [], []  # per item: (T_i,) context tokens, (T_i,) the token after each (-1: none), weight
+        for item, w in zip(sequences, weights):
             if isinstance(item, tuple):
                 a, b = np.asarray(item[0], dtype=np.int64), np.asarray(item[1], dtype=np.int64)
                 if a.shape != b.shape:
@@ -122,27 +136,30 @@ class NgramCorpus:
             if a.size >= 1 and (b >= 0).any():
                 ids.append(a)
                 nexts.append(b)
+                wts.append(w)
         if not ids:
             raise UserError("the corpus has no sequence of two tokens or more")
         flat, after = np.concatenate(ids), np.concatenate(nexts)  # (T,), (T,)
+        weight = np.repeat(np.asarray(wts, dtype=np.int64), [a.size for a in ids])  # (T,) each position's weight
         if flat.min() < 0 or max(flat.max(), after.max()) >= vocab_size:
             raise UserError(f"corpus token ids must lie in 0..{vocab_size - 1} (the target's vocabulary)")
         starts = np.repeat(np.cumsum([0] + [a.size for a in ids[:-1]]), [a.size for a in ids])  # (T,) own start
         pos = np.flatnonzero(after >= 0)  # context windows end at pos; the token after them is after[pos]
-        keys, nxts = [], []
+        keys, nxts, ws = [], [], []
         for n in range(1, max_n + 1):
             end = pos[pos - n + 1 >= starts[pos]]  # the n-gram ending there lies within its own item
             windows = np.stack([flat[end - n + 1 + i] for i in range(n)], axis=1)  # (m, n) oldest first
             keys.append(_codes(windows, n, bits))
             nxts.append(after[end])
-        key, nxt = np.concatenate(keys), np.concatenate(nxts)
-        # count (key, next) pairs, then keep each key's two most frequent nexts (ties: the smaller token id first)
+            ws.append(weight[end])
+        key, nxt, w = np.concatenate(keys), np.concatenate(nxts), np.concatenate(ws)
+        # count (key, next) pairs (weighted), then keep each key's two most frequent nexts (ties: the smaller id first)
         order = np.lexsort((nxt, key))
-        key, nxt = key[order], nxt[order]
+        key, nxt, w = key[order], nxt[order], w[order]
         new_pair = np.ones(key.size, dtype=bool)
         new_pair[1:] = (key[1:] != key[:-1]) | (nxt[1:] != nxt[:-1])
         first = np.flatnonzero(new_pair)
-        pair_count = np.diff(np.append(first, key.size))
+        pair_count = np.add.reduceat(w, first)
         pair_key, pair_next = key[first], nxt[first]
         # per key by falling count (a stable sort keeps the smaller id first on ties)
         order = np.lexsort((-pair_count, pair_key))

@@ -170,7 +170,8 @@ class PromptLookupDraft(Draft):
         self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
 
     def max_nodes(self, policy) -> int:
-        return policy.spec.total_tokens + self.spec.corpus_depth + 1  # the trie, the corpus branch, the root
+        # the trie, the corpus branches (each with room of its own, see trie), the root
+        return policy.spec.total_tokens + self.spec.corpus_depth + self.spec.corpus_second + 1
 
     def start(self, target, prompt, prefill) -> None:
         self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
