@@ -101,9 +101,7 @@ def build_corpus(target, sharegpt: int | None = None, data: list[Path] | tuple =
     """The corpus of `target`'s tokens: the first `sharegpt` train-split ShareGPT answers (None: all; 0: none) and the
     distilled positions (data_items) of the feature-data folders in `data`, the target's own answers counted
     `own_weight` times (data_weight)."""
-    if own_weight < 1:
-        raise UserError(f"--own-weight must be >= 1, got {own_weight}")
-    seqs, weights, sources = [], [], []
+    seqs, weights, sources = [], [], []  # NgramCorpus.build refuses weights < 1 (main says which flag)
     if sharegpt != 0:
         seqs += sharegpt_answers(target.tokenizer, sharegpt, cache_dir)
         weights += [1] * len(seqs)
