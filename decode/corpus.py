@@ -8,9 +8,10 @@
 Tokenises the train-split ShareGPT answers (the offline copy the project prepares; held-out prompts are never
 read) with the target's tokenizer, adds every position of any feature-data folders given with --data, paired with
 the token the target itself predicted there (the shards' stored top-1: a distilled corpus, what the target would
-say; a regenerated folder holds the target's own answers, which count OWN_WEIGHT times), counts the two most
-frequent next tokens of every 1..3-gram (decode/drafts/corpus.py) and writes a draft folder: draft_config.json of
-kind prompt-lookup with corpus branches, and corpus.safetensors. `--draft DIR` then drafts each cycle a prompt-lookup
+say; a regenerated folder holds the target's own answers, which count OWN_WEIGHT times, as do the answers of a
+decode.answers folder, also taken by --data), counts the two most frequent next tokens of every 1..3-gram
+(decode/drafts/corpus.py) and writes a draft folder: draft_config.json of kind prompt-lookup with corpus branches,
+and corpus.safetensors. `--draft DIR` then drafts each cycle a prompt-lookup
 trie and a corpus branch in one tree; the target verifies both, so the output is the target's own, token for token.
 """
 
@@ -50,12 +51,18 @@ def sharegpt_answers(tokenizer, n: int | None, cache_dir: Path | None = None, ma
 
 def data_items(folder: str | Path) -> list[tuple[list[int], list[int]] | list[int]]:
     """Corpus items of a feature-data folder's shards: per sequence (input_ids, the target's top-1 after each position;
-    -1 at image positions), or its answer tokens (from prompt_len on) where the shards hold no top-k."""
+    -1 at image positions), or its answer tokens (from prompt_len on) where the shards hold no top-k; of an answers
+    folder (decode.answers): each answer with the prompt's last tokens before it."""
     from safetensors import SafetensorError, safe_open
 
+    from decode.answers import is_answers_folder, read_answers
+
+    if is_answers_folder(folder):  # decode.answers: the target's answers as plain token sequences
+        return list(read_answers(folder))
     shards = sorted(Path(folder).glob("shard-*.safetensors"))
     if not shards:
-        raise UserError(f"--data {folder}: no shard-*.safetensors there (a supernet.data output folder)")
+        raise UserError(f"--data {folder}: no shard-*.safetensors there (a supernet.data or decode.answers output "
+                        "folder)")
     out: list = []
     for shard in shards:
         try:
@@ -77,7 +84,11 @@ def data_items(folder: str | Path) -> list[tuple[list[int], list[int]] | list[in
 
 def data_weight(folder: str | Path, own_weight: int = OWN_WEIGHT) -> int:
     """How many times a feature-data folder's positions count: own_weight for the target's own answers (a folder
-    built in regenerate mode), 1 for teacher-forced data (its manifest's mode)."""
+    built in regenerate mode, or by decode.answers), 1 for teacher-forced data (its manifest's mode)."""
+    from decode.answers import is_answers_folder
+
+    if is_answers_folder(folder):
+        return own_weight
     try:
         mode = json.loads((Path(folder) / "manifest.json").read_text()).get("content", {}).get("mode")
     except (OSError, ValueError, AttributeError):

@@ -221,8 +221,10 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         corpus_path = corpus_file(cfg.corpus)
     elif cfg.corpus is None and cfg.supernet is None:  # the pipeline: ShareGPT train answers + the target's own
         # predictions over its training data (and its own answers where the scale regenerates them)
-        corpus_path = pipeline.corpus_stage(pcfg, target, [pcfg.run_dir / "data"] +
-                                            ([Path(finetune_data)] if finetune_data else []))
+        own = [Path(finetune_data)] if finetune_data else []
+        answers = pipeline.answers_stage(pcfg, target, exclude=own)
+        corpus_path = pipeline.corpus_stage(pcfg, target, [pcfg.run_dir / "data"] + own +
+                                            ([answers] if answers is not None else []))
     corpus = NgramCorpus.load(corpus_path, vocab_size=target.vocab_size) if corpus_path is not None else None
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults,
                   trial_seqs, finetune_data=finetune_data, corpus=corpus,

@@ -13,7 +13,7 @@ Per prompt (TRAIN split of decode.datasets) one sequence is built and run throug
 truncated to --max-len tokens (a prompt whose image would be cut is skipped). A text prompt too
 long to leave --min-answer answer tokens (when set; the scales set it) keeps its tail, so every
 sequence trains something (held-out data keeps whole prompts: they are what decoding sees). In
-regenerate mode, --regen-batch > 1 answers text prompts in left-padded batches (supernet/regen.py).
+regenerate mode, --regen-batch > 1 answers text prompts in left-padded batches (decode/loop/batched.py).
 Held-out answers must be the target's exact greedy continuation: there each batched answer is checked
 against the sequence's own (unbatched) forward, and one that is not the argmax at every position is
 refused and generated again one prompt at a time (counted in the manifest as `regen_refused`).
@@ -349,7 +349,7 @@ def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[Prompt
 def regenerate_batched(target: TargetModel, items: list[PromptItem], config: DataConfig) -> dict[str, list[int]]:
     """{prompt id: the target's answer} for the text prompts of `items`, in left-padded batches of
     config.regen_batch sorted by length (regenerate mode, regen_batch > 1; else empty)."""
-    from supernet.regen import batch_greedy, batchable
+    from decode.loop.batched import batch_greedy, batchable
 
     if config.mode != "regenerate" or config.regen_batch <= 1:
         return {}

@@ -15,11 +15,11 @@ from decode.datasets import PromptItem
 from decode.drafts.from_target import expand_kv_rows, init_from_target, source_layer
 from decode.drafts.model import DraftModel, TargetDims
 from decode.errors import UserError
+from decode.loop.batched import batch_greedy
 from decode.loop.vanilla import vanilla_generate
 from decode.space import SearchSpace
 from supernet.data import DataConfig, build_sequence
 from supernet.elastic import DraftSupernet
-from supernet.regen import batch_greedy
 from supernet.unroll import LossConfig, subnet_losses, target_kl, topk_ce
 
 # ---------------------------------------------------------------- start from the target
@@ -108,7 +108,7 @@ def test_heldout_data_refuses_a_batched_answer_that_is_not_the_greedy_continuati
     """Held-out data may be regenerated in batches, but an answer the target's own forward disagrees with
     (here: one token of one answer flipped, as a padded batch can do on a near tie) is refused and
     generated again alone: every stored continuation is the target's greedy one."""
-    import supernet.regen as regen_mod
+    import decode.loop.batched as regen_mod
     from supernet.dataset import FeatureData
 
     target = tiny_target("tiny-llama")

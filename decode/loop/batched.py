@@ -1,9 +1,9 @@
-"""Batched greedy answers from the target itself ("self-distilled" training answers).
+"""Batched greedy answers from the target itself (self-distilled training data, the corpus's own answers).
 
-A draft is judged on what the TARGET says, so training on the target's own greedy answers teaches
-exactly the continuations it will be asked to guess. One prompt at a time that costs a full
-target step per token; left-padded batches share each step among B prompts, which on 2 CPU cores
-makes thousands of answers affordable.
+A draft is judged on what the TARGET says, so training on (and counting n-grams of) the target's own
+greedy answers teaches exactly the continuations it will be asked to guess. One prompt at a time that
+costs a full target step per token; left-padded batches share each step among B prompts, which on 2 CPU
+cores makes thousands of answers affordable (supernet.data --mode regenerate, decode.answers).
 
 Padding changes the floating-point summation order, so a batch may, rarely, flip a near-tied argmax.
 That is harmless in training data. Held-out data, whose replayed tau must be exact, takes a batched

@@ -1,0 +1,290 @@
+"""`python -m decode.answers`: the target's own greedy answers to many train-split prompts, cheap, for the corpus.
+
+    python -m decode.answers --target smolvlm-135m --prompts sharegpt:2000 --out out/answers
+    python -m decode.corpus --target smolvlm-135m --data out/answers --out out/corpus-lookup
+
+Corpus lookup (decode/drafts/corpus.py) drafts the n-grams a corpus holds, and held-out decoding continues the
+target's OWN greedy text: the target's answers are the corpus data that counts most (README: 88.8k positions of
+them moved the cpu scale's replayed tau by 0.054 where 443.6k teacher-forced positions moved it by 0.032). A
+corpus needs only their tokens, not the hidden states a feature-data folder stores (supernet.data --mode
+regenerate), and what pays is their start: on the cpu scale's held-out set, answers cut at 64 tokens gave the
+corpus tau 1.892 against 1.896 uncut (128), and the prompt positions around them added nothing. So this writes
+answer tokens only (the prompt's last MAX_N tokens, where the answer starts, then the answer), `--max-new-tokens
+64` by default, prompts cut to their last `--max-prompt-tokens` tokens (a prompt's prefill costs as much per token
+as an answer token), in left-padded batches (decode/loop/batched.py; on 2 cores ~0.35 s per prompt against 1.2 s
+for a 128-token fine-tuning answer with its features).
+
+A batch's padding changes the summation order, so an answer may, rarely, differ from the unbatched greedy one at a
+near tie: harmless here (a corpus only counts), never used for held-out data (supernet.data checks those).
+
+Output: `manifest.json` and one `chunk-NNNNN.safetensors` file per batch (tokens, offsets; written atomically): an
+interrupted run resumes at the first unfinished batch with the same settings and prompts. Batches are cut from
+windows of `--window` prompts in the spec's order, each sorted by length (little padding). `--minutes` bounds the
+generation time (windows come in the spec's order, so a budget keeps a fair sample of prompts, not the shortest):
+the run stops after the batch that spends it, and the manifest says so (`budget_spent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from decode.cli import add_target_args, run_cli, setup_logging
+from decode.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "vlm-draft-nas/answers-v1"
+MANIFEST = "manifest.json"
+CONTEXT = 3  # prompt tokens kept before each answer: the corpus's longest n-gram (decode/drafts/corpus.py MAX_N)
+PER_TOKEN = ("input_ids", "attention_mask")  # the model inputs a text prompt carries per token
+
+
+@dataclass(frozen=True)
+class AnswersConfig:
+    target: str = "smolvlm-135m"
+    prompts: str = "sharegpt:1000"  # train-split prompts (decode.datasets spec); image prompts are skipped
+    out: str = "answers"
+    exclude: tuple[str, ...] = ()  # data or answers folders whose prompts are passed over (their answers exist)
+    max_prompt_chars: int = 2000
+    max_prompt_tokens: int = 256  # longer prompts keep their last tokens (the part next to the answer)
+    max_new_tokens: int = 64
+    batch: int = 32  # prompts answered together (left-padded), one file per batch: what an interrupted run can lose
+    window: int = 128  # prompts sorted by length together, in the spec's order, before they are cut into batches
+    time_budget_s: float = 0.0  # stop after the batch that spends it (0: answer every prompt); a resumed run goes on
+    # with what is left of it
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: str | None = None
+    threads: int | None = None
+
+    def check(self) -> None:
+        for name in ("max_prompt_tokens", "max_new_tokens", "batch", "window", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.time_budget_s >= 0:
+            raise UserError(f"--minutes must be >= 0, got {self.time_budget_s / 60:g}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {self.threads}")
+
+    def content(self) -> dict:
+        """The settings that shape every answer: a resumed run must match them."""
+        return {k: getattr(self, k) for k in ("max_prompt_chars", "max_prompt_tokens", "max_new_tokens")}
+
+
+# ---------------------------------------------------------------------- reading
+def read_manifest(folder: str | Path) -> dict | None:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is not readable JSON ({err}); delete {folder} and build it again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    return manifest
+
+
+def is_answers_folder(folder: str | Path) -> bool:
+    return read_manifest(folder) is not None
+
+
+def answer_prompt_ids(folder: str | Path) -> frozenset[str]:
+    manifest = read_manifest(folder) or {}
+    return frozenset(i for c in manifest.get("chunks", []) if c.get("complete") for i in c["prompt_ids"])
+
+
+def read_answers(folder: str | Path) -> list[list[int]]:
+    """Every finished answer of an answers folder: the prompt's last CONTEXT tokens, then the answer's tokens."""
+    from safetensors import SafetensorError, safe_open
+
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise UserError(f"{folder} is not an answers folder (no {MANIFEST} of format {FORMAT}); "
+                        "build one with python -m decode.answers")
+    out: list[list[int]] = []
+    for c in manifest["chunks"]:
+        if not c.get("complete"):
+            continue
+        path = Path(folder) / c["file"]
+        try:
+            with safe_open(str(path), "pt") as f:
+                tokens, offsets = f.get_tensor("tokens").tolist(), f.get_tensor("offsets").tolist()
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{path} is not a readable answers file ({str(err).splitlines()[0][:100]}); "
+                            f"delete {folder} and build it again") from None
+        out += [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return out
+
+
+# ---------------------------------------------------------------------- building
+def _cap(prompt, max_tokens: int):
+    """A text prompt cut to its last max_tokens tokens (its head goes: the tail is what the answer follows)."""
+    if prompt.length <= max_tokens:
+        return prompt
+    inputs = {k: (v[:, -max_tokens:] if k in PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
+    return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
+
+
+def _excluded(folders: tuple[str, ...]) -> frozenset[str]:
+    from decode.datasets import data_prompt_ids
+
+    ids: frozenset[str] = frozenset()
+    for folder in folders:
+        if not Path(folder).is_dir():
+            raise UserError(f"--exclude {folder} is not a folder (a supernet.data or decode.answers output)")
+        ids |= answer_prompt_ids(folder) if is_answers_folder(folder) else data_prompt_ids(folder)
+    return ids
+
+
+def _write_chunk(path: Path, answers: list[list[int]]) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    flat = [t for a in answers for t in a]
+    offsets = [0]
+    for a in answers:
+        offsets.append(offsets[-1] + len(a))
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"tokens": torch.tensor(flat, dtype=torch.int32), "offsets": torch.tensor(offsets, dtype=torch.int64)},
+              str(tmp), metadata={"format": FORMAT})
+    tmp.replace(path)
+    return len(flat)
+
+
+def _save_manifest(out: Path, manifest: dict) -> None:
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(out / MANIFEST)
+
+
+def build_answers(config: AnswersConfig, target=None) -> Path:
+    """Build (or finish) the answers folder config.out; returns it. `target` skips loading config.target."""
+    from tqdm import tqdm
+
+    from decode.datasets import parse_prompt_spec
+    from decode.loop.batched import batch_greedy, batchable
+    from decode.paths import writable_dir
+    from decode.targets.loader import load_target
+
+    config.check()
+    out = writable_dir(config.out)
+    old = read_manifest(out)
+    if old is None and (out / MANIFEST).exists():
+        raise UserError(f"--out {out} holds a manifest.json that is not an answers folder's; use another --out")
+    exclude = _excluded(config.exclude)
+    if target is None:
+        target = load_target(config.target, device=config.device, dtype=config.dtype,
+                             cache_dir=Path(config.cache_dir) if config.cache_dir else None)
+    if config.threads:
+        import torch
+
+        torch.set_num_threads(config.threads)
+    digest = target.fingerprint().to_dict()
+    if old is not None and old.get("target") != digest:
+        raise UserError(f"--out {out} holds answers of another target ({old.get('target_name')}); use another --out")
+    if old is not None and old.get("content") != config.content():
+        raise UserError(f"--out {out} holds answers made with other settings ({old.get('content')}); "
+                        "use another --out or delete it")
+    items = [it for it in parse_prompt_spec(config.prompts, split="train", max_chars=config.max_prompt_chars,
+                                            cache_dir=Path(config.cache_dir) if config.cache_dir else None,
+                                            exclude=exclude) if it.image is None]
+    if not items:
+        raise UserError(f"no text prompts to answer in '{config.prompts}'; ask for sharegpt:N")
+    prompts = [(_cap(target.build_prompt(it.text), config.max_prompt_tokens), it.id) for it in items]
+    prompts = [p for p in prompts if batchable(p[0])]
+    # windows in the spec's order (a time budget then keeps a fair sample, not the shortest prompts); inside a window
+    # similar lengths share a batch (little padding); each batch is one chunk file
+    ordered = [p for i in range(0, len(prompts), config.window)
+               for p in sorted(prompts[i: i + config.window], key=lambda p: (p[0].length, p[1]))]
+    chunks = [ordered[i: i + config.batch] for i in range(0, len(ordered), config.batch)]
+    planned = [{"file": f"chunk-{k:05d}.safetensors", "prompt_ids": [pid for _, pid in c], "complete": False}
+               for k, c in enumerate(chunks)]
+    if old is not None:  # keep what matches the plan; a chunk with other prompts is answered again
+        done = {c["file"]: c for c in old.get("chunks", []) if c.get("complete")}
+        planned = [done[c["file"]] if c["file"] in done and done[c["file"]]["prompt_ids"] == c["prompt_ids"] else c
+                   for c in planned]
+    spent = float(old.get("spent_s", 0.0)) if old is not None else 0.0  # generation time of earlier runs
+    manifest = {"format": FORMAT, "target_name": target.name, "target": digest, "content": config.content(),
+                "config": {**asdict(config), "exclude": list(config.exclude)}, "chunks": planned,
+                "spent_s": spent, "budget_spent": False, "command": "python -m decode.answers"}
+    _save_manifest(out, manifest)
+    todo = sum(len(c) for c, m in zip(chunks, planned) if not m["complete"])
+    budget = f" (until {config.time_budget_s / 60:g} min are spent)" if config.time_budget_s else ""
+    bar = tqdm(total=todo, desc=f"the target's answers{budget}", unit="prompt", disable=todo == 0)
+    start, made = time.perf_counter(), 0
+    for chunk, entry in zip(chunks, planned):
+        if entry["complete"]:
+            continue
+        if config.time_budget_s and manifest["spent_s"] >= config.time_budget_s:
+            manifest["budget_spent"] = True  # the rest stays unanswered; a rerun with the same budget reuses this
+            logger.warning("answers: the %.1f-minute budget is spent after %d of %d prompts",
+                           config.time_budget_s / 60, sum(len(c["prompt_ids"]) for c in planned if c["complete"]),
+                           len(prompts))
+            _save_manifest(out, manifest)
+            break
+        got = batch_greedy(target, [p for p, _ in chunk], [config.max_new_tokens] * len(chunk))
+        answers = [p.input_ids[0, -CONTEXT:].tolist() + a for (p, _), a in zip(chunk, got)]
+        made += sum(len(a) for a in got)
+        bar.update(len(chunk))
+        bar.set_postfix_str(f"{made / (time.perf_counter() - start):.0f} tok/s")
+        entry["tokens"] = _write_chunk(out / entry["file"], answers)
+        entry["complete"] = True
+        manifest["spent_s"] = spent + time.perf_counter() - start
+        _save_manifest(out, manifest)
+    bar.close()
+    return out
+
+
+# ---------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    d = AnswersConfig()
+    p = argparse.ArgumentParser(prog="python -m decode.answers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(p)
+    p.add_argument("--out", type=Path, required=True, help="the answers folder to write (resumed when it exists)")
+    p.add_argument("--prompts", default=d.prompts,
+                   help=f"train-split prompts, e.g. sharegpt:2000 (image prompts are skipped; default: {d.prompts})")
+    p.add_argument("--exclude", type=Path, action="append", default=[], metavar="DIR",
+                   help="a supernet.data or decode.answers folder whose prompts are passed over (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"answer tokens per prompt at most (default: {d.max_new_tokens})")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                   help=f"longer prompts keep their last tokens (default: {d.max_prompt_tokens})")
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help=f"prompt text longer than this is passed over (default: {d.max_prompt_chars})")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help=f"prompts per left-padded batch, one file each (default: {d.batch})")
+    p.add_argument("--window", type=int, default=d.window,
+                   help=f"prompts sorted by length together before batching (default: {d.window})")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after the batch that spends this much generation time (default: 0, no limit)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    config = AnswersConfig(target=args.target, prompts=args.prompts, out=str(args.out),
+                           exclude=tuple(str(e) for e in args.exclude), max_prompt_chars=args.max_prompt_chars,
+                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                           batch=args.batch, window=args.window, time_budget_s=args.minutes * 60, device=args.device,
+                           dtype=args.dtype,
+                           cache_dir=str(args.cache_dir) if args.cache_dir else None, threads=args.threads)
+    t0 = time.perf_counter()
+    out = build_answers(config)
+    answers = read_answers(out)
+    print(f"{len(answers)} answers, {sum(len(a) - CONTEXT for a in answers)} answer tokens "
+          f"({time.perf_counter() - t0:.0f} s) -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
