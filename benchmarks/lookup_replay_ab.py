@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decode.benchio import environment  # noqa: E402
+from decode.benchio import environment, write_json  # noqa: E402
 from decode.cli import run_cli  # noqa: E402
 from decode.errors import UserError  # noqa: E402
 
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
               "tau_gain_ci95": [round(float(np.quantile(diff, q)), 4) for q in (0.025, 0.975)],
               "sequences_b_better": int((c["b"] < c["a"]).sum()), "sequences_b_worse": int((c["b"] > c["a"]).sum()),
               "environment": environment(torch.device("cpu"))}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     for k in ("a", "b"):
         print(f"{k}: {rows[k]['draft']}: tau {rows[k]['tau']:.4f} {rows[k]['tau_ci95']}, "
               f"predicted {rows[k]['speedup']:.3f}x")

@@ -30,7 +30,7 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decode.cli import add_target_args, run_cli, setup_logging
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "vlm-draft-nas/answers-v1"
 MANIFEST = "manifest.json"
 CONTEXT = 3  # prompt tokens kept before each answer: the corpus's longest n-gram (decode/drafts/corpus.py MAX_N)
-PER_TOKEN = ("input_ids", "attention_mask")  # the model inputs a text prompt carries per token
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,16 @@ def is_answers_folder(folder: str | Path) -> bool:
     return read_manifest(folder) is not None
 
 
+def finished(folder: str | Path, config: "AnswersConfig") -> bool:
+    """Whether `folder` holds config's answers already: same settings and prompt spec, and every batch answered or
+    the same time budget spent (a rerun would answer nothing)."""
+    old = read_manifest(folder)
+    if old is None or old.get("content") != config.content() or old["config"].get("prompts") != config.prompts:
+        return False
+    return all(c.get("complete") for c in old["chunks"]) or \
+        (old.get("budget_spent") and old["config"].get("time_budget_s") == config.time_budget_s)
+
+
 def answer_prompt_ids(folder: str | Path) -> frozenset[str]:
     manifest = read_manifest(folder) or {}
     return frozenset(i for c in manifest.get("chunks", []) if c.get("complete") for i in c["prompt_ids"])
@@ -123,14 +132,6 @@ def read_answers(folder: str | Path) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------- building
-def _cap(prompt, max_tokens: int):
-    """A text prompt cut to its last max_tokens tokens (its head goes: the tail is what the answer follows)."""
-    if prompt.length <= max_tokens:
-        return prompt
-    inputs = {k: (v[:, -max_tokens:] if k in PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
-    return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
-
-
 def _excluded(folders: tuple[str, ...]) -> frozenset[str]:
     from decode.datasets import data_prompt_ids
 
@@ -157,16 +158,11 @@ def _write_chunk(path: Path, answers: list[list[int]]) -> int:
     return len(flat)
 
 
-def _save_manifest(out: Path, manifest: dict) -> None:
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(out / MANIFEST)
-
-
 def build_answers(config: AnswersConfig, target=None) -> Path:
     """Build (or finish) the answers folder config.out; returns it. `target` skips loading config.target."""
     from tqdm import tqdm
 
+    from decode.benchio import write_json
     from decode.datasets import parse_prompt_spec
     from decode.loop.batched import batch_greedy, batchable
     from decode.paths import writable_dir
@@ -196,7 +192,7 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
                                             exclude=exclude) if it.image is None]
     if not items:
         raise UserError(f"no text prompts to answer in '{config.prompts}'; ask for sharegpt:N")
-    prompts = [(_cap(target.build_prompt(it.text), config.max_prompt_tokens), it.id) for it in items]
+    prompts = [(target.build_prompt(it.text).tail(config.max_prompt_tokens), it.id) for it in items]
     prompts = [p for p in prompts if batchable(p[0])]
     # windows in the spec's order (a time budget then keeps a fair sample, not the shortest prompts); inside a window
     # similar lengths share a batch (little padding); each batch is one chunk file
@@ -213,7 +209,7 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
     manifest = {"format": FORMAT, "target_name": target.name, "target": digest, "content": config.content(),
                 "config": {**asdict(config), "exclude": list(config.exclude)}, "chunks": planned,
                 "spent_s": spent, "budget_spent": False, "command": "python -m decode.answers"}
-    _save_manifest(out, manifest)
+    write_json(out / MANIFEST, manifest)
     todo = sum(len(c) for c, m in zip(chunks, planned) if not m["complete"])
     budget = f" (until {config.time_budget_s / 60:g} min are spent)" if config.time_budget_s else ""
     bar = tqdm(total=todo, desc=f"the target's answers{budget}", unit="prompt", disable=todo == 0)
@@ -226,7 +222,7 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
             logger.warning("answers: the %.1f-minute budget is spent after %d of %d prompts",
                            config.time_budget_s / 60, sum(len(c["prompt_ids"]) for c in planned if c["complete"]),
                            len(prompts))
-            _save_manifest(out, manifest)
+            write_json(out / MANIFEST, manifest)
             break
         got = batch_greedy(target, [p for p, _ in chunk], [config.max_new_tokens] * len(chunk))
         answers = [p.input_ids[0, -CONTEXT:].tolist() + a for (p, _), a in zip(chunk, got)]
@@ -236,7 +232,7 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
         entry["tokens"] = _write_chunk(out / entry["file"], answers)
         entry["complete"] = True
         manifest["spent_s"] = spent + time.perf_counter() - start
-        _save_manifest(out, manifest)
+        write_json(out / MANIFEST, manifest)
     bar.close()
     return out
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _TRAINING_ONLY = {"labels"}
+# the (1, T) model inputs that carry one entry per token; the rest (pixel values, image sizes ...) are per prompt
+PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
 
 @dataclass
@@ -31,6 +33,14 @@ class Prompt:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def tail(self, n: int) -> "Prompt":
+        """The last n tokens (itself when not longer), every per-token model input cut alike: a text prompt too long
+        for a budget loses its head and keeps the part the answer follows."""
+        if self.length <= n:
+            return self
+        inputs = {k: (v[:, -n:] if k in PER_TOKEN else v) for k, v in self.model_inputs.items()}
+        return replace(self, input_ids=inputs["input_ids"], model_inputs=inputs)
 
 
 def _messages(text: str, with_image: bool, is_vlm: bool) -> list[dict]:

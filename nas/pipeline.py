@@ -192,7 +192,7 @@ def answers_stage(cfg: PipelineConfig, target: TargetModel, exclude: list[Path] 
     """run_dir/answers: the target's greedy answers to the scale's nas.answers prompts (decode.answers: tokens only,
     batched, resumable per chunk), passing over the prompts of the folders in `exclude` (the fine-tuning data's,
     whose answers the corpus counts already); None when the scale has none. Skipped when complete."""
-    from decode.answers import AnswersConfig, build_answers, read_manifest
+    from decode.answers import AnswersConfig, build_answers, finished, read_manifest
 
     settings = nas_defaults(cfg.scale).get("answers")
     if not settings:
@@ -202,14 +202,11 @@ def answers_stage(cfg: PipelineConfig, target: TargetModel, exclude: list[Path] 
         ans_cfg = AnswersConfig(**{**settings, "target": cfg.target, "out": str(out), "device": cfg.device,
                                    "dtype": cfg.dtype, "cache_dir": cfg.cache_dir,
                                    "exclude": tuple(str(e) for e in exclude)})
-        old = read_manifest(out)
-        if old is not None and old.get("content") == ans_cfg.content() \
-                and old.get("config", {}).get("prompts") == ans_cfg.prompts \
-                and (all(c.get("complete") for c in old.get("chunks", []))
-                     or (old.get("budget_spent") and old["config"].get("time_budget_s") == ans_cfg.time_budget_s)):
+        if finished(out, ans_cfg):
             logger.info("answers stage: reusing %s", out)
             return out
-        if old is not None and old.get("content") != ans_cfg.content():
+        old = read_manifest(out)
+        if old is not None and old.get("content") != ans_cfg.content():  # build_answers would refuse it
             logger.warning("answers stage: %s was made with other settings; answering again", out)
             shutil.rmtree(out)
         logger.warning("answers stage: the target's answers to %s -> %s", ans_cfg.prompts, out)

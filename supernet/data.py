@@ -40,7 +40,7 @@ import torch
 from decode.datasets import HELDOUT_PHOTOS, PromptItem, parse_prompt_spec
 from decode.errors import UserError
 from decode.loop.vanilla import vanilla_generate
-from decode.prompt import Prompt
+from decode.prompt import PER_TOKEN, Prompt
 from decode.space import SearchSpace, default_space_name
 from decode.targets.target import TargetModel
 from supernet.dataset import (
@@ -60,7 +60,6 @@ from supernet.entropy import EntropyChoice, calibrate
 logger = logging.getLogger("supernet.data")  # not __main__ under python -m
 
 MODES = ("teacher", "regenerate")
-_PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")  # (1, T) model inputs
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ def _extend(prompt: Prompt, tokens: list[int], family: str) -> Prompt:
     """The prompt followed by answer tokens, every per-token model input extended to match."""
     n = len(tokens)
     inputs = dict(prompt.model_inputs)
-    for key in _PER_TOKEN:
+    for key in PER_TOKEN:
         if key in inputs:
             # attention_mask: 1; PaliGemma token_type_ids: 1 marks the causal suffix (HF generate does the same);
             # Gemma 3 token_type_ids / Qwen mm_token_type_ids: 0 = text
@@ -129,18 +128,16 @@ def _truncate(prompt: Prompt, n: int, image_token_id: int | None) -> Prompt | No
     ids = prompt.input_ids[0]
     if image_token_id is not None and bool((ids[n:] == image_token_id).any()):
         return None
-    inputs = {k: (v[:, :n] if k in _PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
+    inputs = {k: (v[:, :n] if k in PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
     return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
 
 
 def _keep_tail(prompt: Prompt, config: DataConfig) -> Prompt:
     """A text prompt too long to leave `min_answer` answer tokens loses its head (the tail, next to the
     answer, is what the draft conditions on), so that every sequence carries trained positions."""
-    keep = config.max_len - config.min_answer
-    if not config.min_answer or prompt.has_image or prompt.length <= keep:
+    if not config.min_answer or prompt.has_image:
         return prompt
-    inputs = {k: (v[:, -keep:] if k in _PER_TOKEN else v) for k, v in prompt.model_inputs.items()}
-    return replace(prompt, input_ids=inputs["input_ids"], model_inputs=inputs)
+    return prompt.tail(config.max_len - config.min_answer)
 
 
 def answer_budget(prompt: Prompt, item: PromptItem, config: DataConfig) -> int:

@@ -23,11 +23,9 @@ def _config(tmp_path, **kw) -> AnswersConfig:
 
 def _expected(target, cfg: AnswersConfig, exclude=frozenset()) -> dict[str, list[int]]:
     """Each prompt's answer generated alone (unbatched greedy), after the capped prompt's last CONTEXT tokens."""
-    from decode.answers import _cap
-
     out = {}
     for it in parse_prompt_spec(cfg.prompts, split="train", max_chars=cfg.max_prompt_chars, exclude=exclude):
-        prompt = _cap(target.build_prompt(it.text), cfg.max_prompt_tokens)
+        prompt = target.build_prompt(it.text).tail(cfg.max_prompt_tokens)
         out[it.id] = prompt.input_ids[0, -CONTEXT:].tolist() + vanilla_generate(target, prompt,
                                                                                  cfg.max_new_tokens).tokens
     return out
