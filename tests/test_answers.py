@@ -58,6 +58,28 @@ def test_answers_are_the_targets_greedy_answers_after_the_prompts_tail(tmp_path)
                for it in parse_prompt_spec(cfg.prompts, split="train"))  # the cap is exercised
 
 
+def test_image_prompts_are_answered_whole_one_at_a_time_in_batches_of_their_own(tmp_path):
+    """images:N on a VLM: each image prompt's answer is its greedy answer (whole prompt, image included), image
+    prompts never share a batch with text ones, the spec's order of windows holds; a text-only target refuses them."""
+    target = tiny_target("tiny-smolvlm")
+    cfg = _config(tmp_path, target="tiny-smolvlm", prompts="sharegpt:3,images:3", batch=4, window=8)
+    with single_thread():
+        out = build_answers(cfg, target=target)
+        items = parse_prompt_spec(cfg.prompts, split="train", max_chars=cfg.max_prompt_chars)
+        expected = {}
+        for it in items:
+            prompt = target.build_prompt(it.text).tail(cfg.max_prompt_tokens) if it.image is None else \
+                target.build_prompt(it.text, it.image)
+            expected[it.id] = prompt.input_ids[0, -CONTEXT:].tolist() + vanilla_generate(
+                target, prompt, cfg.max_new_tokens).tokens
+    manifest = read_manifest(out)
+    kinds = [{i.startswith("image:") for i in c["prompt_ids"]} for c in manifest["chunks"]]
+    assert kinds == [{False}, {True}]  # one text batch, then one image batch
+    assert _by_id(out) == expected and sum(i.startswith("image:") for i in expected) == 3
+    with pytest.raises(UserError, match="reads no images"):
+        build_answers(_config(tmp_path, prompts="images:2", out=str(tmp_path / "b")), target=tiny_target("tiny-llama"))
+
+
 def test_an_interrupted_build_resumes_at_its_first_unfinished_chunk(tmp_path, monkeypatch):
     """A kill in the third batch keeps the first two batches' files; the rerun answers only the rest and ends
     with the answers of an uninterrupted build."""
@@ -204,4 +226,10 @@ def test_every_scales_answers_section_is_a_valid_answers_config(scale):
         return
     cfg = AnswersConfig(**settings)
     cfg.check()
-    assert cfg.time_budget_s > 0 and cfg.prompts.startswith("sharegpt:")
+    from decode.datasets import parse_prompt_spec
+
+    assert cfg.time_budget_s > 0 and "sharegpt:" in cfg.prompts
+    # the image prompts come first (a budget then never leaves them out) and are train-split ones
+    items = parse_prompt_spec(cfg.prompts, split="train")
+    images = [it for it in items if it.image is not None]
+    assert images and items[: len(images)] == images
