@@ -229,7 +229,7 @@ def test_every_scales_answers_section_is_a_valid_answers_config(scale):
     from decode.datasets import parse_prompt_spec
 
     assert cfg.time_budget_s > 0 and "sharegpt:" in cfg.prompts
-    # the image prompts come first (a budget then never leaves them out) and are train-split ones
+    # image prompts, where a scale asks for them, come first (a budget then never leaves them out)
     items = parse_prompt_spec(cfg.prompts, split="train")
     images = [it for it in items if it.image is not None]
-    assert images and items[: len(images)] == images
+    assert items[: len(images)] == images and (scale != "cpu" or len(images) == 32)
