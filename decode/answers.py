@@ -27,7 +27,9 @@ Image prompts (`images:N`, train-split photos only) are answered too, one at a t
 prompts only; ~2-4 s each on 2 cores), whole, in batches of their own. They are worth it: the held-out image prompts
 ask the same eight questions of other photos, and the target answers them in stock phrases. On the 168 held-out
 sequences (ShareGPT corpus, lookup n<=3 4x1/4 + corpus 2+1), the target's answers to the 32 train image prompts,
-counted 8 times, took the 8 image sequences' tau from 1.719 to 1.915 and the rest's from 1.826 to 1.848.
+counted 8 times, took the 8 image sequences' tau from 1.719 to 1.915 and the rest's from 1.826 to 1.848. A corpus
+that holds the pipeline's data folders gains nothing more from them (cpu scale: +0.001, its data stage's 16 image
+sequences hold such answers already), so the scales ask for text prompts only.
 """
 
 from __future__ import annotations
