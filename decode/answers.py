@@ -205,9 +205,9 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
                         "ask for sharegpt:N only")
     # text prompts cut to their tail (the part next to the answer); an image prompt is whole (its image tokens sit at
     # its start, and it is short)
-    prompts = [(target.build_prompt(it.text).tail(config.max_prompt_tokens) if it.image is None else
-                target.build_prompt(it.text, it.image), it.id) for it in items]
-    prompts = [p for p in prompts if batchable(p[0]) or p[0].has_image]
+    built = [(target.build_prompt(it.text, it.image), it.id) for it in items]
+    prompts = [(p if p.has_image else p.tail(config.max_prompt_tokens), pid) for p, pid in built
+               if p.has_image or batchable(p)]
     # windows in the spec's order (a time budget then keeps a fair sample, not the shortest prompts); inside a window
     # similar lengths share a batch (little padding), image prompts a batch of their own; each batch is one chunk file
     chunks = []

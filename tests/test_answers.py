@@ -226,10 +226,4 @@ def test_every_scales_answers_section_is_a_valid_answers_config(scale):
         return
     cfg = AnswersConfig(**settings)
     cfg.check()
-    from decode.datasets import parse_prompt_spec
-
-    assert cfg.time_budget_s > 0 and "sharegpt:" in cfg.prompts
-    # image prompts, where a scale asks for them, come first (a budget then never leaves them out)
-    items = parse_prompt_spec(cfg.prompts, split="train")
-    images = [it for it in items if it.image is not None]
-    assert items[: len(images)] == images
+    assert cfg.time_budget_s > 0 and cfg.prompts.startswith("sharegpt:")
