@@ -157,6 +157,7 @@ def describe(row: dict) -> str:
         weak = f" weak {s['weak_depth']}" if s.get("weak_depth") else ""
         corpus = f" + corpus {s['corpus_depth']}" if s.get("corpus_depth") else ""
         corpus += f"+{s['corpus_second']}" if s.get("corpus_second") else ""
+        corpus += f" + {s['leaf_depth']}-token chains under {s['leaf_count']} leaves" if s.get("leaf_depth") else ""
         parts.append(f"lookup n<={s['max_ngram']} {s['tree_depth']}x{s['top_k']}/{s['total_tokens']}{weak}{corpus}"
                      f"{rule}")
     return " + ".join(parts) or "-"

@@ -22,6 +22,10 @@ chain accepts while those equal the continuation. Its tokens cost K layers + the
 that share of a measured target step (decoding one token is bound by the weights it reads) + the
 profile's per-cycle overhead for a chain of depth D.
 
+Leaf chains (decode/drafts/merged.py) replay exactly too: the chain under a leaf depends on the history, the root and
+the leaf's path only, and the leaves extended are the kept tree's best by the same order the sweep stores
+(Expansion.order); a greedy walk that ends at an extended leaf goes on along its chain.
+
 Cost. Cycles differ in size (lookup often finds no match and verifies the root alone), so the predicted
 speed-up is tau x T_step / mean cycle time over the replayed cycles, each cycle priced with the
 profile's verify(n) for its own n, plus the neural draft's cycle and the lookup's own host time
@@ -40,7 +44,7 @@ import numpy as np
 
 from decode.arch import DraftArch, max_tree_nodes
 from decode.drafts.corpus import NgramCorpus
-from decode.drafts.merged import RULES
+from decode.drafts.merged import RULES, leaf_chains
 from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, lookup_trie, trie
 from hwprofile.latency import LatencyModel
 from nas.acceptance import Acceptance
@@ -66,6 +70,11 @@ CORPUS_BRANCHES = ((2, 0), (4, 0), (2, 1), (4, 1), (4, 2))
 # verify costs the same for 16 tokens as for 60 (a GPU) pairs wide neural trees with wide lookups (the h200 design:
 # lookup 8x2/16), and a few more corpus tokens cost it nothing
 WIDE_CORPUS = ((4, 2),)
+# corpus chains under the neural tree's best leaves (merged designs with a corpus), as (leaf_depth, leaf_count): tried
+# beside each neural row's best merged design. Replayed on the cpu scale's 168 held-out sequences (its fine-tuned
+# one-token subnet 1x8/8 + lookup n<=2 8x2/16 + corpus 4+2): 6-token chains under the 8 leaves took tau 2.51 -> 2.74,
+# 1.91x -> 2.04x on the stored H200 profile; on the 2-core CPU's profile every variant lost
+LEAF_CHAINS = ((2, 2), (2, 4), (4, 4), (2, 8), (4, 8), (6, 8), (4, 16))
 
 
 def with_corpus(grid: tuple[LookupSpec, ...]) -> tuple[LookupSpec, ...]:
@@ -159,9 +168,17 @@ def lookup_roots(seq: dict, spec: LookupSpec, branches: list[list[list[int]]] | 
     return out
 
 
-def new_lookup_nodes(exp: Expansion, kept: set[int], look: RootTrie, max_depth: int) -> int:
-    """Lookup trie nodes (depth <= max_depth) that the neural tree does not hold already (same token path)."""
+def new_lookup_nodes(exp: Expansion, kept: set[int], look: RootTrie, max_depth: int,
+                     chains: dict[int, list[int]] | None = None) -> int:
+    """Lookup trie nodes (depth <= max_depth) that the neural tree (with its leaf chains) does not hold already (same
+    token path)."""
     child = {(exp.parents[i], exp.tokens[i]): i for i in kept}
+    fresh = len(exp.tokens)  # ids for the chain nodes, past the expansion's own
+    for leaf, chain in (chains or {}).items():
+        parent = leaf
+        for tok in chain:
+            child[(parent, tok)] = parent = fresh
+            fresh += 1
     where: dict[int, int | None] = {0: 0}
     new = 0
     for i in range(1, len(look.tokens)):
@@ -234,6 +251,7 @@ class KindScorer:
         """latency None: replays only (no speed-ups); early_exit None: no layer-skip rows; corpus None: no corpus
         branches (lookup specs with corpus_depth > 0 are refused); corpus_ms: its host time per drafted token."""
         self.seqs = list(sequences)
+        self.ids = [s["input_ids"].tolist() for s in self.seqs]
         self.bounds = [(int(s["prompt_len"]), s["input_ids"].numel()) for s in self.seqs]
         self.conts = [expected_tokens(s) for s in self.seqs]
         self.latency, self.context = latency, context
@@ -263,7 +281,16 @@ class KindScorer:
 
     def lookup_cost_ms(self, spec: LookupSpec) -> float:
         """Host time of one lookup proposal: the n-gram index and trie, plus the corpus branches' tokens."""
-        return self.lookup_ms + (spec.corpus_depth + spec.corpus_second) * self.corpus_ms
+        return self.lookup_ms + (spec.corpus_depth + spec.corpus_second + spec.leaf_depth * spec.leaf_count) * \
+            self.corpus_ms
+
+    def leaf_chains_at(self, i: int, r: int, exp: Expansion, kept: set[int], spec: LookupSpec) -> dict[int, list[int]]:
+        """The leaf chains of sequence i's neural tree (the `kept` nodes of expansion `exp`) at root position r."""
+        if self.corpus is None:
+            raise ValueError("a lookup spec with leaf chains, but the scorer has no corpus")
+        rank = [j for j in exp.order if j in kept]
+        context = self.ids[i][max(0, r + 1 - self.corpus.max_n): r + 1]
+        return leaf_chains(exp.tokens, exp.parents, rank, spec.leaf_count, spec.leaf_depth, context, self.corpus)
 
     def grids(self) -> tuple[tuple[LookupSpec, ...], tuple[LookupSpec, ...]]:
         """(lookups merged with neural trees, corpus lookups tried alone): with a corpus, the merged grid has the
@@ -306,14 +333,21 @@ class KindScorer:
             if roots is not None and rule == "switch" and len(roots[i][r - p].tokens) > 1:
                 look = roots[i][r - p]
                 return min(look.accepted, md), look.size(md), False
-            exp = exps[i][r - p]
+            exp, cont = exps[i][r - p], self.conts[i]
             kept = exp.kept(D, N)
-            m = exp.accepted(D, N, self.conts[i], r, md)
+            m, node = exp.walk(kept, D, cont, r, md)
             n = 1 + sum(exp.depth[j] <= md for j in kept)  # the loop truncates the tree at md
+            chains = self.leaf_chains_at(i, r, exp, kept, lookup) if lookup is not None and lookup.leaf_depth else {}
+            if chains:
+                chain, base = chains.get(node, ()), exp.depth[node]  # a walk ending at an extended leaf goes on
+                limit = min(md, len(cont) - r - 1)
+                while m < limit and m - base < len(chain) and chain[m - base] == cont[r + m + 1]:
+                    m += 1
+                n += sum(max(0, min(len(c), md - exp.depth[leaf])) for leaf, c in chains.items())
             if roots is not None:
                 look = roots[i][r - p]
                 m = max(m, min(look.accepted, md))
-                n += new_lookup_nodes(exp, kept, look, md)
+                n += new_lookup_nodes(exp, kept, look, md, chains)
             return m, n, True
 
         return replay(len(self.seqs), self.bounds, at_root, max_new_tokens)
@@ -401,6 +435,19 @@ class KindScorer:
                         row = self.neural(a, sweep, spec, rule=rule)
                         if best is None or row["speedup"] > best["speedup"]:
                             best = row
+        return self.with_leaf_chains(best, sweep) if best is not None else None
+
+    def with_leaf_chains(self, row: dict, sweep: TreeSweep) -> dict:
+        """A merged row's design with leaf chains (LEAF_CHAINS) under its neural tree, when one is faster on this
+        profile (the row itself without a corpus or a lookup)."""
+        if self.corpus is None or not row.get("lookup"):
+            return row
+        arch, spec = DraftArch.from_json(row["arch"]), LookupSpec.from_dict(row["lookup"])
+        best = row
+        for depth, count in LEAF_CHAINS:
+            new = self.neural(arch, sweep, replace(spec, leaf_depth=depth, leaf_count=count), rule=row["merge"])
+            if new["speedup"] > best["speedup"]:
+                best = new
         return best
 
 

@@ -306,7 +306,7 @@ def _with_corpus(folder: Path, lookup, inp: Inputs) -> None:
 
     from decode.drafts.corpus import CORPUS_NAME
 
-    if lookup is not None and lookup.corpus_depth:
+    if lookup is not None and lookup.uses_corpus:
         shutil.copyfile(inp.corpus_path, folder / CORPUS_NAME)
 
 

@@ -66,7 +66,10 @@ class Expansion:
 
         cont[root + d] is the token expected at depth d below the root (cont[root] is the root itself).
         """
-        kept = self.kept(depth, total)
+        return self.walk(self.kept(depth, total), depth, cont, root, max_depth)[0]
+
+    def walk(self, kept: set[int], depth: int, cont: list[int], root: int, max_depth: int) -> tuple[int, int]:
+        """(tokens accepted, the node the greedy walk ends at) in the tree of the `kept` nodes (levels <= depth)."""
         node, d = 0, 0
         limit = min(depth, max_depth, len(cont) - root - 1)
         while d < limit:
@@ -75,7 +78,7 @@ class Expansion:
             if nxt is None:
                 break
             node, d = nxt, d + 1
-        return d
+        return d, node
 
 
 def _expansion(tree) -> Expansion:

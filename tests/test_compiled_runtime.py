@@ -29,20 +29,29 @@ def _eager_afterwards():
         tiny_target(name).use_runtime("eager")
 
 
-def _drafts(target):
-    """(label, draft, policy): every draft kind, over dynamic, chain and static trees."""
+def _drafts(target, text: list[int] | None = None):
+    """(label, draft, policy): every draft kind, over dynamic, chain and static trees; with `text` (token ids) also
+    a merged draft with corpus chains under its leaves, from a corpus of that text."""
+    from decode.drafts import LookupSpec
+    from decode.drafts.corpus import NgramCorpus
+
     concat = make_draft("random:concat", target)
-    return [
+    out = [
         ("prompt-lookup", PromptLookupDraft(), None),
         ("neural concat, dynamic", concat, TreePolicy(spec=TreeSpec(3, 3, 12))),
         ("neural cross, static", make_draft("random:cross", target), TreePolicy.parse("static:3,2", TreeSpec(2, 3, 9))),
         ("layerskip, chain", LayerSkipDraft(1), TreePolicy.parse("chain", TreeSpec(3, 1, 3))),
         ("neural + lookup", MergedDraft(concat), None),
     ]
+    if text is not None:
+        spec = LookupSpec(max_ngram=3, tree_depth=2, top_k=1, total_tokens=2, leaf_depth=3, leaf_count=3)
+        out.append(("neural + lookup, leaf chains", MergedDraft(concat, spec, corpus=NgramCorpus.build(
+            [text], target.vocab_size)), TreePolicy(spec=TreeSpec(2, 2, 4))))
+    return out
 
 
 # every draft and tree kind on a VLM; the target-side cases (sliding-window layers, softcapped logits) on Gemma 3
-@pytest.mark.parametrize("family,kinds", [("tiny-llava", 5), ("tiny-gemma3-text", 2)])
+@pytest.mark.parametrize("family,kinds", [("tiny-llava", 6), ("tiny-gemma3-text", 2)])
 def test_compiled_runtime_is_token_identical_for_every_draft_kind(family, kinds):
     target = tiny_target(family)
     prompt = tiny_prompt(target, TEXT)
@@ -51,7 +60,7 @@ def test_compiled_runtime_is_token_identical_for_every_draft_kind(family, kinds)
         target.use_runtime("compiled")
         assert vanilla_generate(target, prompt, 24).tokens == ref
         padded = 0
-        for label, draft, policy in _drafts(target)[:kinds]:
+        for label, draft, policy in _drafts(target, prompt.input_ids[0].tolist() + ref)[:kinds]:
             res = speculative_generate(target, draft, prompt, 24, policy=policy)
             assert res.tokens == ref, label
             padded += sum(bucket(n) != n for n in res.tree_sizes)

@@ -109,12 +109,17 @@ def repeating_setup():
     return target, prompt, cfg, keys, torch.tensor([joint[k] for k in keys] + [0.0])
 
 
-@pytest.mark.parametrize("case", ["sharp+lookup", "lookup+lookup"])
+@pytest.mark.parametrize("case", ["sharp+lookup", "lookup+lookup", "sharp+leaf-chains"])
 def test_merged_sampling_matches_target_joint(repeating_setup, case):
-    """Exact target distribution when sampling; lookup+lookup: every lookup node coincides with a 'neural' one."""
+    """Exact target distribution when sampling; lookup+lookup: every lookup node coincides with a 'neural' one;
+    leaf chains: corpus chains (of the target's greedy text) under the neural leaves."""
     target, prompt, cfg, keys, probs = repeating_setup
-    base = SharpFullDraft(target) if case == "sharp+lookup" else PromptLookupDraft(spec=LookupSpec(2, 1, 2, 2, 4))
-    draft = MergedDraft(base, LookupSpec(max_ngram=3, tree_depth=2, top_k=2, total_tokens=4))
+    base = PromptLookupDraft(spec=LookupSpec(2, 1, 2, 2, 4)) if case == "lookup+lookup" else SharpFullDraft(target)
+    spec = LookupSpec(max_ngram=3, tree_depth=2, top_k=2, total_tokens=4)
+    leaf = case == "sharp+leaf-chains"
+    if leaf:
+        spec = LookupSpec(**{**vars(spec), "leaf_depth": 2, "leaf_count": 3})
+    draft = MergedDraft(base, spec, corpus=_greedy_corpus(target, prompt) if leaf else None)
     policy = TreePolicy.parse("dynamic", TreeSpec(2, 3, 6))
     counts = _joint_counts(target, prompt, draft, cfg, policy, 1200, keys)
     assert counts[-1] == 0
@@ -187,3 +192,79 @@ def test_switch_rule_is_lossless_and_skips_the_neural_draft_on_lookup_cycles(fus
     assert 0 < len(calls) < got.cycles  # some cycles were lookup-only
     with pytest.raises(UserError, match="merge rule"):
         MergedDraft(neural, rule="mix")
+
+
+def _greedy_corpus(target, prompt, n=N):
+    """A corpus holding the target's own greedy continuation of `prompt` (leaf chains then draft it right)."""
+    from decode.drafts.corpus import NgramCorpus
+
+    ids = prompt.input_ids[0].tolist() + vanilla_generate(target, prompt, n).tokens
+    return NgramCorpus.build([ids], target.vocab_size)
+
+
+def test_leaf_chains_hang_corpus_chains_under_the_best_leaves():
+    """leaf_chains: the `count` best leaves by rank (inner nodes skipped), each continued by the corpus after the
+    context and its own path; a leaf the corpus knows nothing after gets no chain; with_leaf_chains appends them."""
+    from decode.drafts.corpus import NgramCorpus
+    from decode.drafts.merged import leaf_chains, rank_nodes, with_leaf_chains
+
+    corpus = NgramCorpus.build([[5, 9, 1, 3, 7, 8, 6], [4, 9, 2, 4, 4]], 16)
+    tree = DraftTree(torch.tensor([9, 1, 2, 3, 11]), torch.tensor([-1, 0, 0, 1, 0]),
+                     scores=torch.tensor([0.0, -0.1, -0.5, -0.3, -0.2]))
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    rank = rank_nodes(tree)
+    assert rank == [1, 4, 3, 2]  # best first; node 1 is inner, node 4 (token 11) unknown to the corpus
+    # the best leaf (node 4) has no continuation: the next best the corpus continues take its place
+    assert leaf_chains(tokens, parents, rank, 1, 2, [5, 9], corpus) == {3: [7, 8]}
+    assert leaf_chains(tokens, parents, rank, 2, 2, [5, 9], corpus) == {3: [7, 8], 2: [4, 4]}
+    chains = leaf_chains(tokens, parents, rank, 3, 3, [4, 9], corpus)
+    assert chains == {3: [7, 8, 6], 2: [4, 4, 4]}  # (2, 4, 4) and (4, 4) end a sequence: (4,) -> 4
+    got = with_leaf_chains(tree, tokens, parents, chains)
+    assert got.tokens.tolist() == [9, 1, 2, 3, 11, 7, 8, 6, 4, 4, 4]
+    assert got.parents.tolist() == [-1, 0, 0, 1, 0, 3, 5, 6, 2, 8, 9]
+    got.validate()
+    assert with_leaf_chains(tree, tokens, parents, {}) is tree
+    with pytest.raises(UserError, match="leaf_depth and leaf_count"):
+        LookupSpec(leaf_depth=2)
+    with pytest.raises(UserError, match="corpus"):
+        PromptLookupDraft(spec=LookupSpec(leaf_depth=2, leaf_count=2))  # chains need a corpus
+
+
+@pytest.mark.parametrize("rule", ["union", "switch"])
+def test_leaf_chains_are_lossless_and_accept_the_corpus_phrase(rule):
+    """Greedy output unchanged with corpus chains under the neural leaves (dynamic and static trees); with a
+    draft whose first token is the target's own and a corpus of the target's text, the chains cut the cycles."""
+    from test_speculative_sampling import SharpFullDraft
+
+    target = tiny_target("tiny-llama")
+    for text in (REPEATING, "List three colours:"):
+        prompt = tiny_prompt(target, text)
+        want = vanilla_generate(target, prompt, N).tokens
+        corpus = _greedy_corpus(target, prompt)
+        spec = LookupSpec(max_ngram=3, tree_depth=2, top_k=1, total_tokens=2)
+        for tree in ("dynamic", "static:2"):
+            policy = TreePolicy.parse(tree, TreeSpec(tree_depth=1, top_k=2, total_tokens=2))
+            cycles = []
+            for leaf in (0, 4):
+                leafy = LookupSpec(**{**vars(spec), "leaf_depth": leaf, "leaf_count": 2 if leaf else 0})
+                for neural in (make_draft("random:concat", target), SharpFullDraft(target)):
+                    draft = MergedDraft(neural, leafy, rule, corpus=corpus)
+                    got = speculative_generate(target, draft, prompt, N, policy=policy)
+                    assert got.tokens == want, (rule, tree, leaf, text)
+                cycles.append(got.cycles)  # the sharp draft's
+            assert cycles[1] < cycles[0], (rule, tree, text, cycles)
+
+
+def test_leaf_chain_checkpoint_loads_its_corpus(tmp_path):
+    target = tiny_target("tiny-llama")
+    prompt = tiny_prompt(target, REPEATING)
+    corpus = _greedy_corpus(target, prompt)
+    neural = make_draft("random:concat", target)
+    spec = LookupSpec(max_ngram=3, tree_depth=2, top_k=1, total_tokens=2, leaf_depth=3, leaf_count=2)
+    neural.model.save_pretrained(tmp_path / "d", target, extra={"kind": "neural+lookup", "lookup": vars(spec)})
+    with pytest.raises(UserError, match="corpus.safetensors"):
+        make_draft(str(tmp_path / "d"), target)  # leaf chains without the corpus they draft from
+    corpus.save(tmp_path / "d" / "corpus.safetensors")
+    draft = make_draft(str(tmp_path / "d"), target)
+    assert isinstance(draft, MergedDraft) and draft.lookup.spec == spec and draft.lookup.corpus is not None
+    assert speculative_generate(target, draft, prompt, N).tokens == vanilla_generate(target, prompt, N).tokens

@@ -282,3 +282,66 @@ def test_corpus_lookup_replay_equals_real_decoding(trained):
         assert with_corpus >= without - 1e-9  # the corpus branch only adds nodes
         corpus_hits += with_corpus > without
     assert corpus_hits > 0  # the corpus branch accepted tokens lookup alone did not
+
+
+def test_leaf_chain_replay_equals_real_decoding_and_the_search_prices_it(trained):
+    """Corpus chains under the neural tree's best leaves (decode/drafts/merged.py), union and switch, on a 2x2/4 and a
+    one-level 1x3/3 tree: the replay gives real decoding's cycles, accepted-length histogram and tree sizes; the
+    chains accept tokens; on a profile where verifying is free the search's merged row takes them, on one where
+    every verified token costs a step it does not."""
+    from decode.drafts import LookupSpec, MergedDraft
+    from decode.drafts.corpus import NgramCorpus
+    from nas.kinds import LEAF_CHAINS, KindScorer
+    from nas.treesweep import TreeSweep
+
+    target, model, seqs = trained
+    rng = random.Random(1)
+    answers = [s["input_ids"][int(s["prompt_len"]):].tolist() for s in seqs]
+    corpus = NgramCorpus.build([a[: len(a) // 2] for a in answers] +
+                               [[rng.randrange(target.vocab_size) for _ in range(40)] for _ in range(20)],
+                               target.vocab_size)
+    scorer = KindScorer(seqs, latency=None, corpus=corpus)
+    largest = model.space.largest(model.entropy_layer)
+    gained = 0
+    for arch in (replace(largest, tree_depth=2, top_k=2, total_tokens=4),
+                 replace(largest, tree_depth=1, top_k=3, total_tokens=3)):
+        sweep = TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, top_k=arch.top_k,
+                              max_depth=arch.tree_depth)
+        sub = model.extract(arch, target)
+        for spec in (LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, leaf_depth=3, leaf_count=2),
+                     LookupSpec(max_ngram=3, tree_depth=3, top_k=1, total_tokens=3, corpus_depth=2, corpus_second=1,
+                                leaf_depth=2, leaf_count=4)):
+            for rule in ("union", "switch"):
+                rep = scorer.replay_neural(arch, sweep, spec, rule=rule)
+                cycles, hist, sizes = _real_decoding(target, seqs, lambda: MergedDraft(NeuralDraft(sub), spec, rule,
+                                                                                       corpus=corpus),
+                                                     TreePolicy(spec=arch.tree))
+                assert (rep.acceptance.cycles, dict(rep.hist), rep.sizes) == (cycles, dict(hist), sizes), (arch,
+                                                                                                          spec, rule)
+            plain = replace(spec, leaf_depth=0, leaf_count=0)
+            with_chains = scorer.replay_neural(arch, sweep, spec).acceptance.tau
+            assert with_chains >= scorer.replay_neural(arch, sweep, plain).acceptance.tau - 1e-9  # chains only add
+            gained += with_chains > scorer.replay_neural(arch, sweep, plain).acceptance.tau
+    assert gained > 0  # the chains accepted tokens the tree and lookup did not
+
+    class Flat:  # a device that verifies any tree for the price of one step (drafting free), or one that pays a
+        def __init__(self, per_token):  # step per verified token
+            self.per_token = per_token
+
+        def target_step_ms(self, context=None):
+            return 10.0
+
+        def verify_ms(self, n, context=None):
+            return 10.0 + self.per_token * (n - 1)
+
+        def breakdown(self, arch, accepted=1.0, context=None):
+            return {"verify": 0.0, "total": 0.0}
+
+    arch = replace(largest, tree_depth=1, top_k=3, total_tokens=3)
+    sweep = TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, top_k=3, max_depth=1)
+    for per_token, chains in ((0.0, True), (10.0, False)):
+        priced = KindScorer(seqs, Flat(per_token), lookup_ms=0.0, corpus=corpus, corpus_ms=0.0)
+        row = priced.best_merged(arch, sweep, [1], [3], grid=(LookupSpec(max_ngram=2, tree_depth=2, top_k=1,
+                                                                          total_tokens=2),))
+        leaf = (row["lookup"]["leaf_depth"], row["lookup"]["leaf_count"])
+        assert (leaf in LEAF_CHAINS) == chains and (leaf == (0, 0)) == (not chains), (per_token, row["lookup"])

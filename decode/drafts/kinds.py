@@ -80,11 +80,11 @@ def layerskip_settings(config: dict, where: str) -> tuple[int, int]:
 
 def load_corpus(directory: str | Path, spec: LookupSpec, target) -> NgramCorpus | None:
     """DIR/corpus.safetensors when the lookup settings use a corpus branch (None otherwise)."""
-    if not spec.corpus_depth:
+    if not spec.uses_corpus:
         return None
     path = Path(directory) / CORPUS_NAME
     if not path.is_file():
-        raise UserError(f"{directory}: its lookup has corpus_depth {spec.corpus_depth} but no {CORPUS_NAME}; "
+        raise UserError(f"{directory}: its lookup has corpus branches or leaf chains but no {CORPUS_NAME}; "
                         "export it again or build one with python -m decode.corpus")
     return NgramCorpus.load(path, vocab_size=target.vocab_size)
 

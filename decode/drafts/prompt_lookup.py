@@ -20,6 +20,10 @@ Corpus lookup: with a corpus (decode/drafts/corpus.py, an n-gram model of many a
 branch of that many tokens drafted from the corpus joins the trie (shared prefixes merged, room of its own): it
 finds the stock phrasing of answers that the prompt does not hold. With corpus_second > 0 a second corpus branch of
 that many tokens joins too: the corpus's runner-up next token, then greedy (NgramCorpus.branches).
+
+Leaf chains (merged with a neural draft only, decode/drafts/merged.py): with leaf_depth > 0 a corpus chain of that
+many tokens hangs under each of the neural tree's leaf_count best leaves. The neural draft, which reads the target's
+features, picks the first tokens; the corpus continues the stock phrase they begin.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class LookupSpec:
     weak_depth: int = 0  # branch length after a match shorter than max_ngram (0: tree_depth as well)
     corpus_depth: int = 0  # a corpus n-gram branch of this length beside the trie (decode/drafts/corpus.py); 0: none
     corpus_second: int = 0  # a second corpus branch (the runner-up first token) of this length; 0: none
+    leaf_depth: int = 0  # merged with a neural draft: a corpus chain of this length under each of the neural tree's
+    leaf_count: int = 0  # `leaf_count` best leaves (decode/drafts/merged.py); 0 and 0: none
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -60,14 +66,22 @@ class LookupSpec:
         if not 0 <= self.corpus_second <= self.corpus_depth:
             raise UserError(f"prompt lookup needs 0 <= corpus_second <= corpus_depth, got {self.corpus_second} "
                             f"(corpus_depth {self.corpus_depth})")
+        if self.leaf_depth < 0 or self.leaf_count < 0 or (self.leaf_depth > 0) != (self.leaf_count > 0):
+            raise UserError(f"prompt lookup's leaf chains need leaf_depth and leaf_count both > 0 (or both 0), got "
+                            f"{self.leaf_depth} and {self.leaf_count}")
         if not 0 <= self.weak_depth <= self.tree_depth:
             raise UserError(f"prompt lookup needs 0 <= weak_depth <= tree_depth, got {self.weak_depth} "
                             f"(tree_depth {self.tree_depth})")
 
     @property
     def nodes(self) -> int:
-        """Nodes a proposal may hold beside the root: the trie's and the corpus branches'."""
-        return self.total_tokens + self.corpus_depth + self.corpus_second
+        """Nodes a proposal may hold beside the root: the trie's, the corpus branches' and the leaf chains'."""
+        return self.total_tokens + self.corpus_depth + self.corpus_second + self.leaf_depth * self.leaf_count
+
+    @property
+    def uses_corpus(self) -> bool:
+        """Whether drafting needs the corpus: corpus branches at the root or chains under neural leaves."""
+        return self.corpus_depth > 0 or self.leaf_depth > 0
 
     @property
     def tree(self) -> TreeSpec:
@@ -163,9 +177,10 @@ class PromptLookupDraft(Draft):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, spec: LookupSpec | None = None,
                  corpus: "NgramCorpus | None" = None):
         self.spec = spec or LookupSpec(max_ngram=max_ngram, min_ngram=min_ngram)
-        if self.spec.corpus_depth and corpus is None:
-            raise UserError("a lookup with corpus_depth > 0 needs a corpus (corpus.safetensors in the draft folder)")
-        self.corpus = corpus if self.spec.corpus_depth else None
+        if self.spec.uses_corpus and corpus is None:
+            raise UserError("a lookup with corpus branches or leaf chains needs a corpus (corpus.safetensors in the "
+                            "draft folder)")
+        self.corpus = corpus if self.spec.uses_corpus else None
         self.default_tree = self.spec.tree
         self.index = NgramIndex(self.spec.min_ngram, self.spec.max_ngram)
 
