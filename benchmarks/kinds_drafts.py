@@ -66,9 +66,10 @@ def main() -> None:
             argv = ["--supernet", setup["supernet"], "--arch", row["arch"], "--out", str(folder)]
             if row.get("lookup"):
                 lk = LookupSpec(**row["lookup"])
-                fields = (lk.tree_depth, lk.max_ngram, lk.top_k, lk.weak_depth, lk.corpus_depth, lk.corpus_second)
+                fields = (lk.tree_depth, lk.max_ngram, lk.top_k, lk.weak_depth, lk.corpus_depth, lk.corpus_second,
+                          lk.leaf_depth, lk.leaf_count)
                 argv += ["--lookup", ":".join(map(str, fields)),
-                         "--merge", row.get("merge", "union"), *(["--corpus", summary["corpus"]] if lk.corpus_depth
+                         "--merge", row.get("merge", "union"), *(["--corpus", summary["corpus"]] if lk.uses_corpus
                                                                   else [])]
             export_main(argv)
         if row["kind"] == "prompt-lookup" and row["lookup"].get("corpus_depth"):  # carries the search's corpus

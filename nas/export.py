@@ -57,7 +57,7 @@ class ExportConfig:
 
 
 def lookup_extra(text: str | None, merge: str) -> dict:
-    """--lookup D:M:K[:W[:C[:S]]] / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind
+    """--lookup D:M:K[:W[:C[:S[:L:N]]]] / --merge -> the draft_config keys of kind neural+lookup (no --lookup: kind
     neural)."""
     from decode.drafts.merged import RULES
     from decode.drafts.prompt_lookup import LookupSpec
@@ -68,15 +68,16 @@ def lookup_extra(text: str | None, merge: str) -> dict:
         raise UserError(f"--merge must be one of {', '.join(RULES)}, got {merge!r}")
     try:
         vals = [int(v) for v in text.split(":")]
-        if len(vals) not in (3, 4, 5, 6):
+        if len(vals) not in (3, 4, 5, 6, 8):
             raise ValueError(text)
-        d, m, k, w, c, b = (*vals, 0, 0, 0)[:6]
+        d, m, k, w, c, b, leaf, leaves = (*vals, 0, 0, 0, 0, 0)[:8]
         spec = LookupSpec(max_ngram=m, tree_depth=d, top_k=k, total_tokens=d * k, weak_depth=w, corpus_depth=c,
-                          corpus_second=b)
+                          corpus_second=b, leaf_depth=leaf, leaf_count=leaves)
     except (ValueError, UserError):
-        raise UserError(f"--lookup must be D:M:K[:W[:C[:S]]] (branch length, max n-gram, branches, integers >= 1; W: "
-                        f"branch length after a match shorter than M, 0 <= W <= D; C: corpus branch length, needs "
-                        f"--corpus; S: second corpus branch length, 0 <= S <= C), got {text!r}") from None
+        raise UserError(f"--lookup must be D:M:K[:W[:C[:S[:L:N]]]] (branch length, max n-gram, branches, integers "
+                        f">= 1; W: branch length after a match shorter than M, 0 <= W <= D; C: corpus branch length, "
+                        f"needs --corpus; S: second corpus branch length, 0 <= S <= C; L:N: corpus chains of L tokens "
+                        f"under the neural tree's N best leaves, needs --corpus), got {text!r}") from None
     return {"kind": "neural+lookup", "lookup": asdict(spec), "merge": merge}
 
 
@@ -160,8 +161,10 @@ def export(cfg: ExportConfig) -> Path:
     if cfg.finetune_steps < 0:
         raise UserError(f"--finetune-steps must be >= 0, got {cfg.finetune_steps}")
     extra = lookup_extra(cfg.lookup, cfg.merge)
-    if extra.get("lookup", {}).get("corpus_depth") and (cfg.corpus is None or not Path(cfg.corpus).is_file()):
-        raise UserError("a --lookup with a corpus branch (C > 0) needs --corpus FILE (python -m decode.corpus)")
+    uses_corpus = bool(extra.get("lookup", {}).get("corpus_depth") or extra.get("lookup", {}).get("leaf_depth"))
+    if uses_corpus and (cfg.corpus is None or not Path(cfg.corpus).is_file()):
+        raise UserError("a --lookup with a corpus branch (C > 0) or leaf chains (L > 0) needs --corpus FILE "
+                        "(python -m decode.corpus)")
     state = read_supernet_state(cfg.supernet)
     if cfg.trial is not None:
         arch, meta = trial_record(cfg.storage, cfg.study_name, cfg.trial)
@@ -186,7 +189,7 @@ def export(cfg: ExportConfig) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     export_draft(supernet, arch, target, tmp, meta, extra)  # written beside, then moved into place
-    if extra.get("lookup", {}).get("corpus_depth"):
+    if uses_corpus:
         import shutil
 
         from decode.drafts.corpus import CORPUS_NAME
@@ -214,13 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="fine-tuning data (default: the supernet's training data)")
     p.add_argument("--heldout", type=int, default=None,
                    help="last training sequences kept out of fine-tuning (default: the study's / supernet's)")
-    p.add_argument("--lookup", default=None, metavar="D:M:K[:W[:C[:S]]]",
+    p.add_argument("--lookup", default=None, metavar="D:M:K[:W[:C[:S[:L:N]]]]",
                    help="merge prompt lookup into the draft (kind neural+lookup): branch length D, n-grams up to M, "
                         "K branches, W tokens only after a match shorter than M (default: D), C tokens of a corpus "
-                        "branch (needs --corpus), S tokens of a second corpus branch, e.g. 4:2:1, 8:3:1:2 or "
-                        "4:2:1:0:4:2")
+                        "branch (needs --corpus), S tokens of a second corpus branch, corpus chains of L tokens under "
+                        "the neural tree's N best leaves, e.g. 4:2:1, 8:3:1:2, 4:2:1:0:4:2 or 8:2:2:0:4:2:6:8")
     p.add_argument("--corpus", default=None, metavar="FILE",
-                   help="corpus.safetensors (python -m decode.corpus) for a --lookup with a corpus branch")
+                   help="corpus.safetensors (python -m decode.corpus) for a --lookup with a corpus branch or leaf "
+                        "chains")
     p.add_argument("--merge", default="union", help="with --lookup: union (both trees) or switch (lookup when it "
                                                     "matched, else the neural tree); default: union")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")

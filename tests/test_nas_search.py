@@ -224,10 +224,21 @@ def test_export_cli_trial_and_arch(assets, tmp_path):
     assert merged.rule == "switch" and merged.lookup.spec.tree_depth == 4 and merged.lookup.spec.max_ngram == 2
     assert merged.lookup.spec.weak_depth == 2  # D:M:K:W, kept through the checkpoint
     assert speculative_generate(target, merged, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
-    for bad in (["--lookup", "4:2"], ["--lookup", "4:2:1:5"], ["--lookup", "4:2:1", "--merge", "mix"]):
+    for bad in (["--lookup", "4:2"], ["--lookup", "4:2:1:5"], ["--lookup", "4:2:1", "--merge", "mix"],
+                ["--lookup", "4:2:1:0:0:0:3"], ["--lookup", "4:2:1:0:0:0:3:0"],
+                ["--lookup", "4:2:1:0:0:0:3:2"]):  # L without N, N 0; leaf chains without --corpus
         with pytest.raises(UserError):
             export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "x"),
                          "--device", "cpu", *bad])
+    # corpus chains under the neural leaves: the corpus travels with the draft
+    from decode.drafts.corpus import NgramCorpus
+
+    corpus = NgramCorpus.build([prompt.input_ids[0].tolist()], target.vocab_size).save(tmp_path / "c.safetensors")
+    assert export_main(["--supernet", assets["supernet"], "--arch", json.dumps(arch), "--out", str(tmp_path / "leaf"),
+                        "--device", "cpu", "--lookup", "4:2:1:0:0:0:3:2", "--corpus", str(corpus)]) == 0
+    leafy = make_draft(str(tmp_path / "leaf"), target)
+    assert (leafy.lookup.spec.leaf_depth, leafy.lookup.spec.leaf_count) == (3, 2) and leafy.lookup.corpus is not None
+    assert speculative_generate(target, leafy, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
     assert sum(p.numel() for p in draft.model.parameters()) == draft_params(draft.model.arch, draft.model.dims)
     assert speculative_generate(target, draft, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
 
