@@ -17,7 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from decode.targets.loader import load_target
     from hwprofile.latency import LatencyModel
-    from nas.kinds import KindScorer
+    from nas.kinds import KindScorer, paired_tau_gain
     from supernet.dataset import FeatureData
 
     profiles = [args.run / "profiles" / f"cpu-{args.target}.json"]  # the eager runtime's, as nas.search prices
@@ -61,20 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     data = FeatureData(args.run / "heldout", target)
     seqs = [data[i] for i in range(len(data))]
     latency = LatencyModel.load(profiles[0])
-    rows, per = {}, {}
+    rows, replays = {}, {}
     for name, folder in (("a", args.a), ("b", args.b)):
         spec, corpus = draft_parts(folder)
         scorer = KindScorer(seqs, latency, 512.0, corpus=corpus, corpus_ms=0.01)
         rows[name] = {"draft": str(folder), **scorer.lookup(spec)}
-        per[name] = scorer.replay_lookup(spec).per_seq
-    e = {k: np.array([x for x, _ in v], dtype=np.float64) for k, v in per.items()}  # (S,) emitted after the first
-    c = {k: np.array([y for _, y in v], dtype=np.float64) for k, v in per.items()}  # (S,) cycles (target forwards)
-    draws = np.random.default_rng(0).integers(0, len(seqs), size=(2000, len(seqs)))  # (2000, S)
-    diff = e["b"][draws].sum(1) / c["b"][draws].sum(1) - e["a"][draws].sum(1) / c["a"][draws].sum(1)
+        replays[name] = scorer.replay_lookup(spec)
     result = {"run": str(args.run), "profile": str(profiles[0]), "sequences": len(seqs), "a": rows["a"],
-              "b": rows["b"], "tau_gain": round(rows["b"]["tau"] - rows["a"]["tau"], 4),
-              "tau_gain_ci95": [round(float(np.quantile(diff, q)), 4) for q in (0.025, 0.975)],
-              "sequences_b_better": int((c["b"] < c["a"]).sum()), "sequences_b_worse": int((c["b"] > c["a"]).sum()),
+              "b": rows["b"], **paired_tau_gain(replays["a"], replays["b"]),
               "environment": environment(torch.device("cpu"))}
     write_json(args.out, result)
     for k in ("a", "b"):

@@ -218,6 +218,18 @@ class Replay:
         return lo, hi
 
 
+def paired_tau_gain(a: Replay, b: Replay, n: int = 2000, seed: int = 0) -> dict:
+    """b's tau minus a's over the same sequences, with a paired bootstrap 95% interval (sequences resampled together),
+    and on how many sequences b needs fewer / more target forwards (cycles)."""
+    ea, ca = (np.array(v, dtype=np.float64) for v in zip(*a.per_seq))  # (S,) emitted after the first, cycles
+    eb, cb = (np.array(v, dtype=np.float64) for v in zip(*b.per_seq))
+    draws = np.random.default_rng(seed).integers(0, len(ea), size=(n, len(ea)))  # (n, S) resampled indices
+    diff = eb[draws].sum(1) / cb[draws].sum(1) - ea[draws].sum(1) / ca[draws].sum(1)  # (n,)
+    return {"tau_gain": round(b.acceptance.tau - a.acceptance.tau, 4),
+            "tau_gain_ci95": [round(float(np.quantile(diff, q)), 4) for q in (0.025, 0.975)],
+            "sequences_b_better": int((cb < ca).sum()), "sequences_b_worse": int((cb > ca).sum())}
+
+
 def replay(n_seqs: int, bounds: list[tuple[int, int]], at_root, max_new_tokens: int | None = None) -> Replay:
     """Walk roots r -> r + accepted + 1 as greedy speculative decoding does.
 

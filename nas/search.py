@@ -360,7 +360,16 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
 
     Designs are picked on the trials' sequences, then confirmed on the whole held-out set when it is larger."""
     from decode.arch import DraftArch
-    from nas.choose import choose, confirm_rows, format_table, kinds_rows, lookup_grids
+    from nas.choose import (
+        FINETUNE_GAIN,
+        choose,
+        confirm_rows,
+        finetune_may_pay,
+        format_table,
+        kinds_rows,
+        lookup_grids,
+        tuned_rows,
+    )
     from nas.kinds import EarlyExit, KindScorer
     from nas.objective import SweepTau
     from nas.suggest import eagle_like
@@ -372,17 +381,22 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     early_exit = EarlyExit.of(inp.target)
     scorer = KindScorer(inp.trial_seqs, latency, context, early_exit=early_exit, corpus=inp.corpus)
     grid, corpus_grid = scorer.grids()
-    tuned_net = tuned_sweep = None
+    tuned_net = None
+    rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
+                      eagle_like(inp.space, inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
+                      grid=grid, corpus_grid=corpus_grid)
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
-    if steps and not done.empty:
-        tuned_net, info = finetune_best(inp, DraftArch.from_json(done.iloc[0]["arch"]), steps,
-                                        ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune",
+    asked = cfg.finetune_steps is not None or cfg.finetune_minutes is not None  # asked for by flag: always run
+    if steps and not done.empty and not asked and not finetune_may_pay(rows):
+        logger.info("fine-tuning skipped: the best neural design, even %.0f%% faster, would trail the best "
+                    "training-free one on %s (--finetune-steps N runs it anyway)", 100 * FINETUNE_GAIN, hardware)
+    elif steps and not done.empty:
+        best = DraftArch.from_json(done.iloc[0]["arch"])
+        tuned_net, info = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune",
                                         time_budget_s=finetune_budget_s(cfg, inp.defaults))
         inp.tuned = (tuned_net, info)
         tuned_sweep = SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep
-    rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
-                      eagle_like(inp.space, inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
-                      grid=grid, tuned_sweep_of=tuned_sweep, corpus_grid=corpus_grid)
+        rows += tuned_rows(scorer, best, tuned_sweep(best), inp.space.tree_depth, inp.space.total_tokens, grid)
     if len(inp.held.sequences) > len(inp.trial_seqs):
         logger.info("confirming %d designs on all %d held-out sequences (picked on %d)", len(rows),
                     len(inp.held.sequences), len(inp.trial_seqs))

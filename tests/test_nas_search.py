@@ -134,6 +134,30 @@ def test_a_useless_neural_draft_is_not_exported(assets, tmp_path):
     assert speculative_generate(target, draft, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
 
 
+def test_finetuning_is_skipped_when_it_cannot_change_the_choice(assets, tmp_path, monkeypatch):
+    """The scale's fine-tuning runs only when the best neural row, FINETUNE_GAIN faster, would reach the best
+    training-free row; a --finetune-steps flag runs it anyway."""
+    import nas.choose as choose_mod
+    from nas import pipeline
+
+    base = {"tau_ci95": [1.0, 1.0], "verify_tokens": 1.0, "arch": None, "lookup": None, "cycles": 0, "tau": 1.0}
+    rows = [{**base, "kind": "none", "speedup": 1.0}, {**base, "kind": "prompt-lookup", "speedup": 1.5},
+            {**base, "kind": "neural", "speedup": 1.2}, {**base, "kind": "neural+lookup", "speedup": 1.3}]
+    assert not choose_mod.finetune_may_pay(rows)  # 1.3 x 1.15 < 1.5
+    rows[3]["speedup"] = 1.31
+    assert choose_mod.finetune_may_pay(rows)  # 1.31 x 1.15 >= 1.5
+    assert not choose_mod.finetune_may_pay(rows[:2])  # no neural row: nothing to fine-tune
+
+    defaults = pipeline.nas_defaults
+    monkeypatch.setattr(pipeline, "nas_defaults", lambda scale: {**defaults(scale), "finetune_steps": 2})
+    monkeypatch.setattr(choose_mod, "finetune_may_pay", lambda rows, gain=choose_mod.FINETUNE_GAIN: False)
+    for flag, tuned in ((None, False), (2, True)):
+        run_search(_cfg(assets, tmp_path / f"run{flag}", study_name="f", finetune_steps=flag))
+        labels = {r["label"] for r in json.loads((tmp_path / f"run{flag}" / "kinds.json").read_text())["rows"]}
+        assert ("best neural, fine-tuned" in labels) == tuned and ("fine-tuned + lookup" in labels) == tuned
+        assert (tmp_path / f"run{flag}" / "finetune").exists() == tuned
+
+
 def test_choice_says_when_nothing_beats_vanilla():
     from nas.choose import choose, format_table
 
