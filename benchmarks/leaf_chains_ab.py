@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps = cfg.finetune_steps if cfg.finetune_steps is not None else \
                     int(inp.defaults.get("finetune_steps", 0))
                 hardware = summary["setup"].get("hardware") or cfg.hardware
-                tuned, _ = finetune_best(inp, arch, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) /
+                best = DraftArch.from_json(summary["best"]["arch"])  # what the search fine-tuned: its checkpoint's
+                tuned, _ = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) /
                                          "finetune", time_budget_s=finetune_budget_s(cfg, inp.defaults))
             sweep = SweepTau(tuned, every, inp.target.num_layers, 1).sweep(arch)
         else:

@@ -381,13 +381,22 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     early_exit = EarlyExit.of(inp.target)
     scorer = KindScorer(inp.trial_seqs, latency, context, early_exit=early_exit, corpus=inp.corpus)
     grid, corpus_grid = scorer.grids()
-    tuned_net = None
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
                       eagle_like(inp.space, inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
                       grid=grid, corpus_grid=corpus_grid)
+    every = inp.held.sequences
+    whole = whole_scorer = None
+    if len(every) > len(inp.trial_seqs):
+        logger.info("confirming %d designs on all %d held-out sequences (picked on %d)", len(rows), len(every),
+                    len(inp.trial_seqs))
+        whole = SweepTau(inp.supernet, every, inp.target.num_layers, 1, store=sweep_store(cfg, inp),
+                         store_key=sweep_key(inp, every))  # depth 1: each sweep as deep as its rows' trees
+        whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit,
+                                  corpus=inp.corpus, corpus_ms=scorer.corpus_ms)
+        rows = confirm_rows(rows, whole_scorer, whole.sweep, grids=lookup_grids(corpus_grid))
     steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
     asked = cfg.finetune_steps is not None or cfg.finetune_minutes is not None  # asked for by flag: always run
-    if steps and not done.empty and not asked and not finetune_may_pay(rows):
+    if steps and not done.empty and not asked and not finetune_may_pay(rows):  # on the confirmed rows
         logger.info("fine-tuning skipped: the best neural design, even %.0f%% faster, would trail the best "
                     "training-free one on %s (--finetune-steps N runs it anyway)", 100 * FINETUNE_GAIN, hardware)
     elif steps and not done.empty:
@@ -395,18 +404,12 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         tuned_net, info = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune",
                                         time_budget_s=finetune_budget_s(cfg, inp.defaults))
         inp.tuned = (tuned_net, info)
-        tuned_sweep = SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep
-        rows += tuned_rows(scorer, best, tuned_sweep(best), inp.space.tree_depth, inp.space.total_tokens, grid)
-    if len(inp.held.sequences) > len(inp.trial_seqs):
-        logger.info("confirming %d designs on all %d held-out sequences (picked on %d)", len(rows),
-                    len(inp.held.sequences), len(inp.trial_seqs))
-        every = inp.held.sequences
-        whole = SweepTau(inp.supernet, every, inp.target.num_layers, 1, store=sweep_store(cfg, inp),
-                         store_key=sweep_key(inp, every))  # depth 1: each sweep as deep as its rows' trees
-        tuned_whole = SweepTau(tuned_net, every, inp.target.num_layers, 1).sweep if tuned_net is not None else None
-        whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit,
-                                  corpus=inp.corpus, corpus_ms=scorer.corpus_ms)
-        rows = confirm_rows(rows, whole_scorer, whole.sweep, tuned_whole, grids=lookup_grids(corpus_grid))
+        tuned = tuned_rows(scorer, best, SweepTau(tuned_net, inp.trial_seqs, inp.target.num_layers, depth).sweep(best),
+                           inp.space.tree_depth, inp.space.total_tokens, grid)
+        if whole_scorer is not None:  # both share one sweep of the fine-tuned subnet: confirmed together
+            tuned = confirm_rows(tuned, whole_scorer, whole.sweep,
+                                 SweepTau(tuned_net, every, inp.target.num_layers, 1).sweep)
+        rows += tuned
     chosen = choose(rows)
     text = format_table(rows, chosen, hardware)
     logger.log(logging.WARNING if chosen["kind"] == "none" else logging.INFO, "%s", text)
