@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         SearchConfig,
         finetune_best,
         finetune_budget_s,
+        finetune_steps,
         out_dir,
         prepare_inputs,
         sweep_key,
@@ -68,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         arch, spec = DraftArch.from_json(row["arch"]), LookupSpec(**row["lookup"])
         if row.get("tuned"):
             if tuned is None:
-                steps = cfg.finetune_steps if cfg.finetune_steps is not None else \
-                    int(inp.defaults.get("finetune_steps", 0))
+                steps = finetune_steps(cfg, inp.defaults)
                 hardware = summary["setup"].get("hardware") or cfg.hardware
                 best = DraftArch.from_json(summary["best"]["arch"])  # what the search fine-tuned: its checkpoint's
                 tuned, _ = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) /
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                              store_key=sweep_key(inp, every)).sweep(arch)
         plain = replace(spec, leaf_depth=0, leaf_count=0)
         a = scorer.neural(arch, sweep, plain, rule=row["merge"])
-        b = scorer.with_leaf_chains(a, sweep) if not spec.leaf_depth else scorer.neural(arch, sweep, spec,
+        b = scorer.best_leaf_chains(a, sweep) if not spec.leaf_depth else scorer.neural(arch, sweep, spec,
                                                                                         rule=row["merge"])
         spec_b = LookupSpec(**b["lookup"])
         gain = paired_tau_gain(scorer.replay_neural(arch, sweep, plain, rule=row["merge"]),

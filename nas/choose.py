@@ -54,12 +54,9 @@ def distinct_archs(done: pd.DataFrame, top: int) -> list[DraftArch]:
 
 
 def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals, eagle: DraftArch | None,
-               top: int = 3, grid=LOOKUP_GRID, tuned_sweep_of=None, lookup_grid=LOOKUP_ALONE_GRID,
-               corpus_grid=()) -> list[dict]:
-    """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k.
-
-    tuned_sweep_of: sweeps of the best subnet after fine-tuning it alone (nas.finetune, on a copy of the
-    supernet); adds its rows, alone and merged with lookup, marked "tuned". grid: the lookups merged with
+               top: int = 3, grid=LOOKUP_GRID, lookup_grid=LOOKUP_ALONE_GRID, corpus_grid=()) -> list[dict]:
+    """Every kind's best row; `sweep_of(arch)` gives the TreeSweep of a subnet at its top_k (the fine-tuned subnet's
+    rows come from tuned_rows, once fine-tuning is known to be worth it). grid: the lookups merged with
     neural trees; lookup_grid: the (plain) lookups tried alone; corpus_grid: lookups with a corpus branch tried
     alone (a row of their own: plain prompt lookup always keeps its row)."""
     rows = [{**scorer.vanilla(), "label": "vanilla"}]
@@ -81,8 +78,6 @@ def kinds_rows(scorer: KindScorer, done: pd.DataFrame, sweep_of, depths, totals,
         if i == 0:
             rows.append({**scorer.neural(arch, sweep), "label": "best neural"})
         rows.append({**scorer.best_merged(arch, sweep, depths, totals, grid), "label": f"neural #{i + 1} + lookup"})
-    if best and tuned_sweep_of is not None:
-        rows += tuned_rows(scorer, best[0], tuned_sweep_of(best[0]), depths, totals, grid)
     return rows
 
 

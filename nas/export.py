@@ -149,6 +149,8 @@ def export_draft(supernet: DraftSupernet, arch: DraftArch, target: TargetModel, 
 
 
 def export(cfg: ExportConfig) -> Path:
+    from decode.drafts.corpus import CORPUS_NAME
+    from decode.drafts.prompt_lookup import LookupSpec
     from decode.targets.loader import load_target
     from nas.finetune import FinetuneConfig, finetune_subnet
     from nas.loading import load_supernet, read_supernet_state
@@ -161,7 +163,7 @@ def export(cfg: ExportConfig) -> Path:
     if cfg.finetune_steps < 0:
         raise UserError(f"--finetune-steps must be >= 0, got {cfg.finetune_steps}")
     extra = lookup_extra(cfg.lookup, cfg.merge)
-    uses_corpus = bool(extra.get("lookup", {}).get("corpus_depth") or extra.get("lookup", {}).get("leaf_depth"))
+    uses_corpus = "lookup" in extra and LookupSpec(**extra["lookup"]).uses_corpus
     if uses_corpus and (cfg.corpus is None or not Path(cfg.corpus).is_file()):
         raise UserError("a --lookup with a corpus branch (C > 0) or leaf chains (L > 0) needs --corpus FILE "
                         "(python -m decode.corpus)")
@@ -190,10 +192,6 @@ def export(cfg: ExportConfig) -> Path:
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     export_draft(supernet, arch, target, tmp, meta, extra)  # written beside, then moved into place
     if uses_corpus:
-        import shutil
-
-        from decode.drafts.corpus import CORPUS_NAME
-
         shutil.copyfile(cfg.corpus, tmp / CORPUS_NAME)
     replace_dir(tmp, out)
     return out

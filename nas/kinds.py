@@ -447,9 +447,9 @@ class KindScorer:
                         row = self.neural(a, sweep, spec, rule=rule)
                         if best is None or row["speedup"] > best["speedup"]:
                             best = row
-        return self.with_leaf_chains(best, sweep) if best is not None else None
+        return self.best_leaf_chains(best, sweep) if best is not None else None
 
-    def with_leaf_chains(self, row: dict, sweep: TreeSweep) -> dict:
+    def best_leaf_chains(self, row: dict, sweep: TreeSweep) -> dict:
         """A merged row's design with leaf chains (LEAF_CHAINS) under its neural tree, when one is faster on this
         profile (the row itself without a corpus or a lookup)."""
         if self.corpus is None or not row.get("lookup"):

@@ -212,7 +212,7 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
     trial_seqs = trial_subset(held.sequences, n_trial or None)
     finetune_data = cfg.finetune_data
-    steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(defaults.get("finetune_steps", 0))
+    steps = finetune_steps(cfg, defaults)
     if finetune_data is None and cfg.supernet is None and steps:  # the pipeline: the scale's own answers, if any
         built_ft = pipeline.finetune_data_stage(pcfg, target)
         finetune_data = str(built_ft) if built_ft is not None else None
@@ -310,6 +310,11 @@ def _with_corpus(folder: Path, lookup, inp: Inputs) -> None:
         shutil.copyfile(inp.corpus_path, folder / CORPUS_NAME)
 
 
+def finetune_steps(cfg: SearchConfig, defaults: dict) -> int:
+    """Fine-tuning's steps: --finetune-steps, else the scale's (0: none)."""
+    return cfg.finetune_steps if cfg.finetune_steps is not None else int(defaults.get("finetune_steps", 0))
+
+
 def finetune_budget_s(cfg: SearchConfig, defaults: dict) -> float:
     """Fine-tuning's wall-clock budget in seconds: --finetune-minutes, else the scale's (0: none)."""
     if cfg.finetune_minutes is not None:
@@ -394,11 +399,11 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
         whole_scorer = KindScorer(every, latency, context, lookup_ms=scorer.lookup_ms, early_exit=early_exit,
                                   corpus=inp.corpus, corpus_ms=scorer.corpus_ms)
         rows = confirm_rows(rows, whole_scorer, whole.sweep, grids=lookup_grids(corpus_grid))
-    steps = cfg.finetune_steps if cfg.finetune_steps is not None else int(inp.defaults.get("finetune_steps", 0))
+    steps = finetune_steps(cfg, inp.defaults)
     asked = cfg.finetune_steps is not None or cfg.finetune_minutes is not None  # asked for by flag: always run
     if steps and not done.empty and not asked and not finetune_may_pay(rows):  # on the confirmed rows
         logger.warning("fine-tuning skipped: the best neural design, even %.0f%% faster, would trail the best "
-                    "training-free one on %s (--finetune-steps N runs it anyway)", 100 * FINETUNE_GAIN, hardware)
+                       "training-free one on %s (--finetune-steps N runs it anyway)", 100 * FINETUNE_GAIN, hardware)
     elif steps and not done.empty:
         best = DraftArch.from_json(done.iloc[0]["arch"])
         tuned_net, info = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune",
