@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from nas.objective import SweepTau
     from nas.search import (
         SearchConfig,
+        ensure_finetune_data,
         finetune_best,
         finetune_budget_s,
         finetune_steps,
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = finetune_steps(cfg, inp.defaults)
                 hardware = summary["setup"].get("hardware") or cfg.hardware
                 best = DraftArch.from_json(summary["best"]["arch"])  # what the search fine-tuned: its checkpoint's
+                ensure_finetune_data(inp)
                 tuned, _ = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) /
                                          "finetune", time_budget_s=finetune_budget_s(cfg, inp.defaults))
             sweep = SweepTau(tuned, every, inp.target.num_layers, 1).sweep(arch)

@@ -35,6 +35,7 @@ sequences hold such answers already), so the scales ask for text prompts only.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import time
@@ -166,6 +167,36 @@ def _write_chunk(path: Path, answers: list[list[int]]) -> int:
     return len(flat)
 
 
+def _plan(prompts: list, config: AnswersConfig, old: dict | None) -> tuple[list, list[dict], float]:
+    """The batches of an answers run -> (chunks: a batch's (prompt, id) pairs, None for one answered before; their
+    manifest entries; the generation seconds of the batches kept).
+
+    A finished batch of an earlier run is kept, whatever its file, while the spec still asks for all its prompts: a
+    changed spec (image prompts dropped, more prompts, another exclusion) shifts every window, and what was answered
+    stays answered. The rest go in windows of `config.window` prompts in the spec's order (a time budget then keeps a
+    fair sample, not the shortest prompts); inside a window similar lengths share a batch (little padding), image
+    prompts a batch of their own; each batch is one chunk file. The kept batches' share of the earlier runs' time
+    counts against the budget (in proportion to their prompts)."""
+    wanted = {pid for _, pid in prompts}
+    done = [c for c in (old or {}).get("chunks", []) if c.get("complete")]
+    kept = [c for c in done if set(c["prompt_ids"]) <= wanted]
+    answered = {pid for c in kept for pid in c["prompt_ids"]}
+    rest = [p for p in prompts if p[1] not in answered]
+    chunks: list = [None] * len(kept)
+    for i in range(0, len(rest), config.window):
+        for images in (False, True):
+            group = sorted((p for p in rest[i: i + config.window] if p[0].has_image == images),
+                           key=lambda p: (p[0].length, p[1]))
+            chunks += [group[j: j + config.batch] for j in range(0, len(group), config.batch)]
+    used = {c["file"] for c in kept}
+    names = (n for n in (f"chunk-{k:05d}.safetensors" for k in itertools.count()) if n not in used)
+    planned = kept + [{"file": next(names), "prompt_ids": [pid for _, pid in c], "complete": False}
+                      for c in chunks[len(kept):]]
+    n_done = sum(len(c["prompt_ids"]) for c in done)
+    spent = float((old or {}).get("spent_s", 0.0)) * (len(answered) / n_done if n_done else 0.0)
+    return chunks, planned, spent
+
+
 def build_answers(config: AnswersConfig, target=None) -> Path:
     """Build (or finish) the answers folder config.out; returns it. `target` skips loading config.target."""
     from tqdm import tqdm
@@ -208,31 +239,19 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
     built = [(target.build_prompt(it.text, it.image), it.id) for it in items]
     prompts = [(p if p.has_image else p.tail(config.max_prompt_tokens), pid) for p, pid in built
                if p.has_image or batchable(p)]
-    # windows in the spec's order (a time budget then keeps a fair sample, not the shortest prompts); inside a window
-    # similar lengths share a batch (little padding), image prompts a batch of their own; each batch is one chunk file
-    chunks = []
-    for i in range(0, len(prompts), config.window):
-        for images in (False, True):
-            group = sorted((p for p in prompts[i: i + config.window] if p[0].has_image == images),
-                           key=lambda p: (p[0].length, p[1]))
-            chunks += [group[j: j + config.batch] for j in range(0, len(group), config.batch)]
-    planned = [{"file": f"chunk-{k:05d}.safetensors", "prompt_ids": [pid for _, pid in c], "complete": False}
-               for k, c in enumerate(chunks)]
-    if old is not None:  # keep what matches the plan; a chunk with other prompts is answered again
-        done = {c["file"]: c for c in old.get("chunks", []) if c.get("complete")}
-        planned = [done[c["file"]] if c["file"] in done and done[c["file"]]["prompt_ids"] == c["prompt_ids"] else c
-                   for c in planned]
-    spent = float(old.get("spent_s", 0.0)) if old is not None else 0.0  # generation time of earlier runs
+    chunks, planned, spent = _plan(prompts, config, old)
     manifest = {"format": FORMAT, "target_name": target.name, "target": digest, "content": config.content(),
                 "config": {**asdict(config), "exclude": list(config.exclude)}, "chunks": planned,
                 "spent_s": spent, "budget_spent": False, "command": "python -m decode.answers"}
     write_json(out / MANIFEST, manifest)
+    for stale in set(out.glob("chunk-*.safetensors")) - {out / c["file"] for c in planned}:  # a dropped batch's
+        stale.unlink()  # answers (after the manifest that no longer lists them)
     todo = sum(len(c) for c, m in zip(chunks, planned) if not m["complete"])
     budget = f" (until {config.time_budget_s / 60:g} min are spent)" if config.time_budget_s else ""
     bar = tqdm(total=todo, desc=f"the target's answers{budget}", unit="prompt", disable=todo == 0)
     start, made = time.perf_counter(), 0
     for chunk, entry in zip(chunks, planned):
-        if entry["complete"]:
+        if chunk is None:  # a batch answered before
             continue
         if config.time_budget_s and manifest["spent_s"] >= config.time_budget_s:
             manifest["budget_spent"] = True  # the rest stays unanswered; a rerun with the same budget reuses this

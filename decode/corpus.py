@@ -96,6 +96,20 @@ def data_weight(folder: str | Path, own_weight: int = OWN_WEIGHT) -> int:
     return own_weight if mode == "regenerate" else 1
 
 
+def source_sequences(folder: str | Path) -> int:
+    """How many corpus items data_items(folder) gives: from its manifest where that says (an answers folder's
+    finished answers, a feature-data folder's sequences), else by reading them."""
+    from decode.answers import answer_prompt_ids, is_answers_folder
+
+    if is_answers_folder(folder):
+        return len(answer_prompt_ids(folder))
+    try:
+        shards = json.loads((Path(folder) / "manifest.json").read_text())["shards"]
+        return sum(int(s["sequences"]) for s in shards if s.get("complete", True))
+    except (OSError, ValueError, KeyError, TypeError):
+        return len(data_items(folder))
+
+
 def label_end(weight: int) -> str:
     """How a data folder's entry in CorpusInfo.sources ends: 'sequences)', or 'sequences xW)' when counted W times."""
     return "sequences)" if weight == 1 else f"sequences x{weight})"

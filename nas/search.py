@@ -158,6 +158,7 @@ class Inputs:
     finetune_data: str | None = None  # extra fine-tuning data (the target's own answers), read with the training data
     corpus: object | None = None  # the NgramCorpus of corpus-lookup branches (decode/drafts/corpus.py), None: none
     corpus_path: str | None = None  # its file (exported with a design that uses it)
+    pipeline: object | None = None  # the nas.pipeline.PipelineConfig whose stages built these inputs, else None
 
 
 def prepare_inputs(cfg: SearchConfig) -> Inputs:
@@ -211,24 +212,21 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     warn_extrapolation(choice.latency, space)
     n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
     trial_seqs = trial_subset(held.sequences, n_trial or None)
-    finetune_data = cfg.finetune_data
-    steps = finetune_steps(cfg, defaults)
-    if finetune_data is None and cfg.supernet is None and steps:  # the pipeline: the scale's own answers, if any
-        built_ft = pipeline.finetune_data_stage(pcfg, target)
-        finetune_data = str(built_ft) if built_ft is not None else None
     corpus_path = None
     if cfg.corpus not in (None, "none"):  # a corpus file, or a draft folder holding one
         corpus_path = corpus_file(cfg.corpus)
     elif cfg.corpus is None and cfg.supernet is None:  # the pipeline: ShareGPT train answers + the target's own
-        # predictions over its training data (and its own answers where the scale regenerates them)
-        own = [Path(finetune_data)] if finetune_data else []
-        answers = pipeline.answers_stage(pcfg, target, exclude=own)
+        # predictions over its training data and its own answers (and a --finetune-data folder given). Not the scale's
+        # fine-tuning data: it is built only when fine-tuning runs (ensure_finetune_data), after the corpus
+        own = [Path(cfg.finetune_data)] if cfg.finetune_data else []
+        answers = pipeline.answers_stage(pcfg, target)
         corpus_path = pipeline.corpus_stage(pcfg, target, [pcfg.run_dir / "data"] + own +
                                             ([answers] if answers is not None else []))
     corpus = NgramCorpus.load(corpus_path, vocab_size=target.vocab_size) if corpus_path is not None else None
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults,
-                  trial_seqs, finetune_data=finetune_data, corpus=corpus,
-                  corpus_path=str(corpus_path) if corpus_path is not None else None)
+                  trial_seqs, finetune_data=cfg.finetune_data, corpus=corpus,
+                  corpus_path=str(corpus_path) if corpus_path is not None else None,
+                  pipeline=pcfg if cfg.supernet is None else None)
 
 
 def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3) -> int:
@@ -322,6 +320,19 @@ def finetune_budget_s(cfg: SearchConfig, defaults: dict) -> float:
     return float(defaults.get("finetune_time_budget_s") or 0.0)
 
 
+def ensure_finetune_data(inp: Inputs) -> str | None:
+    """inp.finetune_data: --finetune-data, else (the pipeline) the scale's fine-tuning data, built now if it has some.
+
+    Built only here, once fine-tuning is to run: the target's answers with their hidden states took 10.4 of the cpu
+    scale's minutes, and on a CPU the fine-tuning gate skips the fine-tuning they are for (README)."""
+    if inp.finetune_data is None and inp.pipeline is not None:
+        from nas import pipeline
+
+        built = pipeline.finetune_data_stage(inp.pipeline, inp.target)
+        inp.finetune_data = str(built) if built is not None else None
+    return inp.finetune_data
+
+
 def finetune_best(inp: Inputs, arch, steps: int, ckpt_dir: Path | None = None, time_budget_s: float = 0.0):
     """The best subnet fine-tuned alone for `steps` sequences on a copy of the supernet (the study's other
     subnets keep their weights) -> (the copy, fine-tuning info). Weight sharing costs the subnets of a
@@ -406,6 +417,7 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
                        "training-free one on %s (--finetune-steps N runs it anyway)", 100 * FINETUNE_GAIN, hardware)
     elif steps and not done.empty:
         best = DraftArch.from_json(done.iloc[0]["arch"])
+        ensure_finetune_data(inp)
         tuned_net, info = finetune_best(inp, best, steps, ckpt_dir=out_dir(cfg, hardware, inp.target.name) / "finetune",
                                         time_budget_s=finetune_budget_s(cfg, inp.defaults))
         inp.tuned = (tuned_net, info)
@@ -624,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-data", default=None, metavar="DIR",
                    help="a supernet.data folder (e.g. the target's own answers: --mode regenerate) that fine-tuning "
                         "reads besides the supernet's training data (default: the scale's nas.finetune_data, built "
-                        "by the pipeline; none with --supernet)")
+                        "by the pipeline when fine-tuning runs; none with --supernet)")
     p.add_argument("--trial-sequences", type=int, default=None, metavar="N",
                    help="trials score archs on the first N held-out sequences (image share kept); the contenders of "
                         "the final table are confirmed on all of them (default: the scale's, 6 at demo scale; 0: all)")

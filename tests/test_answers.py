@@ -227,3 +227,34 @@ def test_every_scales_answers_section_is_a_valid_answers_config(scale):
     cfg = AnswersConfig(**settings)
     cfg.check()
     assert cfg.time_budget_s > 0 and cfg.prompts.startswith("sharegpt:")
+
+
+def test_a_changed_spec_keeps_the_answers_it_still_asks_for(tmp_path, monkeypatch):
+    """The bug this guards: a spec that lost its image prompts shifted every window, no batch matched the new plan,
+    the earlier runs' time counted as spent and the folder ended with no answers at all (a corpus built from it then
+    had none). Now each finished batch whose prompts the new spec still asks for is kept, whatever its file; only the
+    rest are answered; a dropped batch's answers go; the kept batches' share of the earlier time counts."""
+    target = tiny_target("tiny-smolvlm")
+    first = _config(tmp_path, target="tiny-smolvlm", prompts="images:2,sharegpt:4", batch=2, window=4)
+    with single_thread():
+        build_answers(first, target=target)
+    old = read_manifest(first.out)
+    kept = [c for c in old["chunks"] if not any(i.startswith("image:") for i in c["prompt_ids"])]
+    assert len(old["chunks"]) == 3 and len(kept) == 2  # window [img, img, s1, s2]: a text and an image batch; [s3, s4]
+    stamps = {c["file"]: (tmp_path / "answers" / c["file"]).stat().st_mtime_ns for c in kept}
+    old.update(spent_s=600.0, budget_spent=True)  # as if the first run had spent 10 minutes: 400 s on the text
+    (tmp_path / "answers" / "manifest.json").write_text(json.dumps(old))
+    real, calls = batched_mod.batch_greedy, []
+    monkeypatch.setattr(batched_mod, "batch_greedy", lambda tgt, p, n: (calls.append(len(p)), real(tgt, p, n))[1])
+    second = _config(tmp_path, target="tiny-smolvlm", prompts="sharegpt:6", batch=2, window=4, time_budget_s=500.0)
+    with single_thread():
+        build_answers(second, target=target)
+        expected = _expected(target, second)
+    assert calls == [2]  # s5 and s6 only: 400 of the 500 s were left
+    manifest = read_manifest(second.out)
+    assert manifest["chunks"][:2] == kept and all(c["complete"] for c in manifest["chunks"])
+    assert 400.0 <= manifest["spent_s"] < 450.0 and not manifest["budget_spent"]
+    assert all((tmp_path / "answers" / f).stat().st_mtime_ns == t for f, t in stamps.items())
+    assert _by_id(second.out) == expected  # no image answer left, every text one the unbatched greedy one
+    assert sorted(p.name for p in (tmp_path / "answers").glob("chunk-*")) == sorted(c["file"] for c in
+                                                                                    manifest["chunks"])

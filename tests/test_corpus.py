@@ -304,3 +304,35 @@ def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_the
     assert NgramCorpus.read_info(out).sources[1] == f"{data} (1 sequences x{OWN_WEIGHT})"
     stamp = out.stat().st_mtime_ns
     assert corpus_stage(cfg, target, [data]) == out and out.stat().st_mtime_ns == stamp
+
+
+def test_the_pipeline_corpus_stage_is_rebuilt_when_an_answers_folder_holds_other_answers(tmp_path, monkeypatch):
+    """A corpus whose answers folder went on (a larger time budget) or lost answers (answered again) since it was
+    counted is stale: its sources name the same folder, but with another number of sequences."""
+    from safetensors.torch import save_file
+
+    import decode.corpus as corpus_cli
+    from decode.answers import FORMAT, MANIFEST
+    from nas.pipeline import PipelineConfig, corpus_stage
+
+    target = tiny_target("tiny-llama")
+    monkeypatch.setattr(corpus_cli, "sharegpt_answers", lambda tokenizer, n, cache_dir=None: [[1, 2, 3, 4]] * 3)
+    answers = tmp_path / "answers"
+    answers.mkdir()
+    save_file({"tokens": torch.tensor([5, 6, 7, 5, 6, 8], dtype=torch.int32), "offsets": torch.tensor([0, 3, 6])},
+              str(answers / "chunk-00000.safetensors"))
+
+    def manifest(complete: bool) -> None:
+        (answers / MANIFEST).write_text(json.dumps({"format": FORMAT, "chunks": [
+            {"file": "chunk-00000.safetensors", "prompt_ids": ["a", "b"], "complete": complete}]}))
+
+    manifest(False)
+    cfg = PipelineConfig(target="tiny-llama", root=str(tmp_path / "run"))
+    out = corpus_stage(cfg, target, [answers])
+    assert NgramCorpus.read_info(out).sources[1].startswith(f"{answers} (0 sequences")
+    stamp = out.stat().st_mtime_ns
+    assert corpus_stage(cfg, target, [answers]) == out and out.stat().st_mtime_ns == stamp  # reused
+    manifest(True)  # the chunk finished since
+    corpus_stage(cfg, target, [answers])
+    assert NgramCorpus.read_info(out).sources[1].startswith(f"{answers} (2 sequences")
+    assert NgramCorpus.load(out).next_of([5, 6]) in (7, 8)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import single_thread, tiny_prompt, tiny_target
 
+import nas.search as search_mod
 from decode.arch import DraftArch
 from decode.drafts import make_draft
 from decode.errors import UserError
@@ -151,11 +152,33 @@ def test_finetuning_is_skipped_when_it_cannot_change_the_choice(assets, tmp_path
     defaults = pipeline.nas_defaults
     monkeypatch.setattr(pipeline, "nas_defaults", lambda scale: {**defaults(scale), "finetune_steps": 2})
     monkeypatch.setattr(choose_mod, "finetune_may_pay", lambda rows, gain=choose_mod.FINETUNE_GAIN: False)
+    asked: list = []  # the fine-tuning data is asked for only once fine-tuning is to run
+    monkeypatch.setattr(search_mod, "ensure_finetune_data", lambda inp: asked.append(inp.finetune_data))
     for flag, tuned in ((None, False), (2, True)):
+        asked.clear()
         run_search(_cfg(assets, tmp_path / f"run{flag}", study_name="f", finetune_steps=flag))
         labels = {r["label"] for r in json.loads((tmp_path / f"run{flag}" / "kinds.json").read_text())["rows"]}
         assert ("best neural, fine-tuned" in labels) == tuned and ("fine-tuned + lookup" in labels) == tuned
         assert (tmp_path / f"run{flag}" / "finetune").exists() == tuned
+        assert asked == ([None] if tuned else [])
+
+
+def test_the_pipelines_finetuning_data_is_built_when_asked_for_and_only_then(tmp_path, monkeypatch):
+    """ensure_finetune_data: a --finetune-data folder is used as given; the pipeline's is built by its stage on the
+    first call (not before: the cpu scale's 10 minutes of it were spent even where fine-tuning was skipped), then
+    kept; a search on a given supernet (no pipeline) has none."""
+    from types import SimpleNamespace
+
+    from nas import pipeline
+
+    built: list = []
+    monkeypatch.setattr(pipeline, "finetune_data_stage", lambda cfg, target: built.append(cfg) or tmp_path / "ft")
+    given = SimpleNamespace(finetune_data="mine", pipeline="pcfg", target=None)
+    assert search_mod.ensure_finetune_data(given) == "mine" and built == []
+    inp = SimpleNamespace(finetune_data=None, pipeline="pcfg", target=None)
+    assert search_mod.ensure_finetune_data(inp) == str(tmp_path / "ft") and built == ["pcfg"]
+    assert search_mod.ensure_finetune_data(inp) == str(tmp_path / "ft") and built == ["pcfg"]
+    assert search_mod.ensure_finetune_data(SimpleNamespace(finetune_data=None, pipeline=None, target=None)) is None
 
 
 def test_choice_says_when_nothing_beats_vanilla():
