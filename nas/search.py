@@ -604,8 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "padded trees, torch.compile); the search prices designs with that runtime's profile")
     p.add_argument("--space", default=None, help="search space YAML or name (default: the supernet's space)")
     p.add_argument("--trials", type=int, default=None,
-                   help="new archs to score now; re-proposed archs are answered from the cache and not counted "
-                        "(default: 40 at demo scale)")
+                   help="new archs to score now; re-proposed archs are answered from the cache and not counted; "
+                        "a rerun on the same --out continues its study and scores N more (the table then reads "
+                        "them all) (default: the scale's: 10 at demo, 16 at cpu scale)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///OUT/study.db)")
     p.add_argument("--study-name", default=None, help="study to create or continue (default: nas-<hardware>-<target>)")
     p.add_argument("--sampler", choices=SAMPLERS, default=None, help="default: tpe (nsga2 with --pareto)")
