@@ -124,12 +124,12 @@ def _methods(config: BenchConfig, target) -> list[Method]:
             continue
         draft = make_draft(spec, target, seed=config.seed or 0)
         taken = {n for n, _ in drafts}
-        # a spec with settings (prompt-lookup:2:2, layerskip:12) names its row; a checkpoint folder is named
-        # by its draft ("draft:prompt-lookup"), or by its path when two folders share a name
-        name = spec if ":" in spec and not Path(spec).exists() else draft.name
-        if name in taken:
-            position = 1 + len(drafts) + sum(m.hf is not None for m in methods)  # its place among the rows
-            name = spec if spec not in taken else f"{spec}#{position}"  # the same spec twice: numbered
+        # a spec (prompt-lookup, prompt-lookup:2:2, layerskip:12) and a checkpoint folder name their rows as given:
+        # a folder by its path (named by its draft, "draft:prompt-lookup", an exported lookup design's row read like
+        # the prompt-lookup baseline beside it)
+        name = spec
+        if name in taken:  # the same spec twice: numbered by its place among the rows
+            name = f"{spec}#{1 + len(drafts) + sum(m.hf is not None for m in methods)}"
         drafts.append((name, draft))
     for runtime in config.runtimes:
         for name, draft in drafts:

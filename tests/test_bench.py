@@ -140,7 +140,8 @@ def test_bad_transformers_method_is_a_user_error():
 
 def test_every_method_gets_its_own_row_name(tmp_path):
     """An exported training-free design beside plain prompt lookup, two checkpoint folders of one name and
-    one spec given twice: every method keeps a row of its own (the summary is keyed by name)."""
+    one spec given twice: every method keeps a row of its own (the summary is keyed by name), a folder's row named by
+    its path, never like the prompt-lookup baseline."""
     from conftest import tiny_target
 
     from decode.drafts.kinds import save_training_free
@@ -154,7 +155,7 @@ def test_every_method_gets_its_own_row_name(tmp_path):
                                                    "prompt-lookup", str(tmp_path / "b" / "draft"), "prompt-lookup",
                                                    "layerskip:1"))
     names = [m.name for m in bench._methods(cfg, target)]
-    assert names == ["vanilla", "draft:prompt-lookup", "prompt-lookup:2:2", "prompt-lookup",
+    assert names == ["vanilla", str(tmp_path / "a" / "draft"), "prompt-lookup:2:2", "prompt-lookup",
                      str(tmp_path / "b" / "draft"), "prompt-lookup#5", "layerskip:1"]
 
 
