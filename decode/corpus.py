@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count each position of a --data folder of the target's own answers (built with "
                         f"supernet.data --mode regenerate) W times (default: {OWN_WEIGHT}; 1: like the rest)")
     p.add_argument("--max-n", type=int, default=MAX_N, help=f"longest n-gram counted, 1..{MAX_N} (default: {MAX_N})")
-    # the defaults are what the cpu-scale search chose on its profile (README, "Measured so far"; benchmarks/MEASUREMENTS.md)
+    # the defaults are what the cpu-scale search chose on its profile (README, "Measured so far")
     p.add_argument("--corpus-depth", type=int, default=2, help="tokens in the corpus branch (default: 2)")
     p.add_argument("--corpus-second", type=int, default=1,
                    help="tokens in the second corpus branch (the runner-up first token; 0: none; default: 1)")

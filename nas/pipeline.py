@@ -189,10 +189,10 @@ def finetune_data_stage(cfg: PipelineConfig, target: TargetModel) -> Path | None
         return build_data(data_cfg, target=target)
 
 
-def answers_stage(cfg: PipelineConfig, target: TargetModel, exclude: list[Path] | tuple = ()) -> Path | None:
+def answers_stage(cfg: PipelineConfig, target: TargetModel) -> Path | None:
     """run_dir/answers: the target's greedy answers to the scale's nas.answers prompts (decode.answers: tokens only,
-    batched, resumable per chunk), passing over the prompts of the folders in `exclude`; None when the scale has
-    none. Skipped when complete; after a change of its prompts the answers still asked for are kept."""
+    batched, resumable per chunk); None when the scale has none. Skipped when complete; after a change of its prompts
+    the answers still asked for are kept."""
     from decode.answers import AnswersConfig, build_answers, finished, read_manifest
 
     settings = nas_defaults(cfg.scale).get("answers")
@@ -201,8 +201,7 @@ def answers_stage(cfg: PipelineConfig, target: TargetModel, exclude: list[Path] 
     out = cfg.run_dir / "answers"
     with stage_lock(cfg, "answers"):
         ans_cfg = AnswersConfig(**{**settings, "target": cfg.target, "out": str(out), "device": cfg.device,
-                                   "dtype": cfg.dtype, "cache_dir": cfg.cache_dir,
-                                   "exclude": tuple(str(e) for e in exclude)})
+                                   "dtype": cfg.dtype, "cache_dir": cfg.cache_dir})
         if finished(out, ans_cfg):
             logger.info("answers stage: reusing %s", out)
             return out
