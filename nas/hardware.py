@@ -8,7 +8,10 @@
 
 A stored measured profile of this machine's hardware name is used only when it was measured on the same
 kind of machine (CPU model, cores and vector extensions; GPU product): "cpu" covers CPUs whose few-row
-kernels differ by 2x (decode.runtime.small_rows), so another machine's profile is skipped and this one measured.
+kernels differ by 2x (decode.runtime.small_rows), so another machine's profile is skipped and this one measured;
+so is one whose draft tables were measured for a smaller search space than the search's (e.g. the stored CPU profile,
+made for the demo and cpu scales' `compact` space, for a search of the `default` space with its cross-attention
+fusions and 3-4 layer drafts): a draft cost outside the tables would be extrapolated.
 
 Every choice is logged; a profile of another target (fingerprints differ) is refused.
 """
@@ -23,6 +26,7 @@ from decode.drafts.pack import cpu_format
 from decode.errors import UserError
 from decode.runtime.compiled import compile_tag
 from decode.runtime.small_rows import linear_kernels
+from decode.space import SearchSpace, default_space_name
 from decode.targets.compat import fingerprint_diff
 from decode.targets.loader import pick_device
 from decode.targets.target import TargetModel
@@ -125,6 +129,11 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
                 if stale:  # this machine can measure it again, with the kernels decoding now runs
                     logger.warning("hardware %s: the stored profile %s was %s; not using it", hardware, path, stale)
                     continue
+                short = uncovered(prof.space or {}, SearchSpace.load(space or default_space_name(target.name)))
+                if short:  # measured for a smaller space: this one's draft costs would be extrapolated
+                    logger.warning("hardware %s: the stored profile %s does not cover the search space (%s); not "
+                                   "using it", hardware, path, short)
+                    continue
             elif stale:  # another device's profile: it stays, with a warning
                 logger.warning("hardware %s: the stored profile %s was %s: its predictions overprice trees; "
                                "re-measure it there with python -m hwprofile.profile", hardware, path, stale)
@@ -149,15 +158,38 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
     return ProfileChoice(hardware, path, "predicted" if predict else "measured", LatencyModel(prof))
 
 
-def warn_extrapolation(latency: LatencyModel, space) -> list[str]:
-    """Search-space choices outside the range the profile's draft tables were measured over (their
-    latency is extrapolated linearly); each is logged as a warning. -> the affected field names."""
-    covered = latency.profile.space or {}
-    out = []
-    for name in ("depth", "heads", "ffn", "top_k", "total_tokens"):
+RANGED = ("depth", "heads", "ffn", "top_k", "total_tokens")  # numeric choices a profile prices within its range
+
+
+def outside_range(covered: dict, space) -> dict[str, tuple[list, list]]:
+    """{field: (the profile's measured choices, the space's choices outside their range)} for the RANGED fields of
+    a profile's recorded space `covered` (Profile.space) that `space` (a SearchSpace) exceeds."""
+    out = {}
+    for name in RANGED:
         have = [v for v in covered.get(name, []) if v is not None]
         outside = [v for v in getattr(space, name) if have and not min(have) <= v <= max(have)]
         if outside:
-            out.append(name)
-            logger.warning("profile covers %s %s..%s; choices %s are extrapolated", name, min(have), max(have), outside)
+            out[name] = (have, outside)
     return out
+
+
+def uncovered(covered: dict, space) -> str | None:
+    """Why a profile's draft tables, measured for the space `covered` (Profile.space), do not price every choice of
+    `space` (a SearchSpace): fusions or draft vocabularies it never measured, or choices outside its ranges. None
+    when it covers them all (or records no space: profiles made before it was recorded)."""
+    if not covered:
+        return None
+    why = [f"{name} {sorted(set(getattr(space, name)) - set(covered.get(name, [])), key=str)} not measured"
+           for name in ("fusion", "draft_vocab") if set(getattr(space, name)) - set(covered.get(name, []))]
+    why += [f"{name} {outside} outside {min(have)}..{max(have)}"
+            for name, (have, outside) in outside_range(covered, space).items()]
+    return "; ".join(why) or None
+
+
+def warn_extrapolation(latency: LatencyModel, space) -> list[str]:
+    """Search-space choices outside the range the profile's draft tables were measured over (their
+    latency is extrapolated linearly); each is logged as a warning. -> the affected field names."""
+    out = outside_range(latency.profile.space or {}, space)
+    for name, (have, outside) in out.items():
+        logger.warning("profile covers %s %s..%s; choices %s are extrapolated", name, min(have), max(have), outside)
+    return list(out)

@@ -692,6 +692,38 @@ def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tm
     assert Profile.load(choice.path).versions["linear"] == linear_kernels()
 
 
+def test_a_stored_profile_of_a_smaller_space_is_measured_again(assets, tmp_path, caplog):
+    """A stored profile of this machine whose draft tables were measured for a smaller space than the search's (the
+    repo's CPU profile is the demo and cpu scales' `compact` space) would extrapolate the other choices' draft costs:
+    it is skipped, with a warning naming what it lacks, and measured again; one that covers the space is used."""
+    import logging
+
+    from decode.space import SearchSpace
+    from nas.hardware import resolve_profile, uncovered
+
+    compact, default = SearchSpace.load("compact"), SearchSpace.load("default")
+    assert uncovered(compact.to_dict(), compact) is None and uncovered(default.to_dict(), compact) is None
+    why = uncovered(compact.to_dict(), default)
+    assert "fusion ['cross', 'hybrid'] not measured" in why and "depth [3, 4] outside 1..2" in why
+    assert uncovered({}, default) is None  # profiles from before the space was recorded: as before
+    target = tiny_target(TARGET)
+    data = json.loads(Path(assets["profile"]).read_text())
+    assert uncovered(data["space"], SearchSpace.load("tiny")) is None  # the assets profile is the tiny space's
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    (stored / "cpu-tiny-llava.json").write_text(json.dumps(data))
+    with single_thread():
+        assert resolve_profile(target, None, None, [stored], tmp_path / "run", quick=True).how == "stored"
+    data["space"] = {**data["space"], "fusion": ["concat"], "depth": [1]}
+    (stored / "cpu-tiny-llava.json").write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="nas.hardware"):
+        with single_thread():
+            choice = resolve_profile(target, None, None, [stored], tmp_path / "run", quick=True)
+    said = [r.getMessage() for r in caplog.records if "does not cover the search space" in r.getMessage()]
+    assert said and "fusion ['cross', 'hybrid'] not measured" in said[0] and "depth [2] outside 1..1" in said[0]
+    assert choice.how == "measured" and choice.path == tmp_path / "run" / "cpu-tiny-llava.json"
+
+
 def test_finetuning_unrolls_no_deeper_than_the_chosen_tree(assets, monkeypatch):
     """A one-token draft (tree_depth 1) is fine-tuned on its first guess only; a deeper tree keeps the
     supernet's unroll (2 here)."""
