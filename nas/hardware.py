@@ -98,9 +98,11 @@ def check_profile(profile: Profile, path: Path, target: TargetModel, hardware: s
 
 def resolve_profile(target: TargetModel, hardware: str | None, profile: str | None, search_dirs: list[Path],
                     write_dir: Path, device: str = "auto", space: str | None = None, quick: bool = False,
-                    cache_dir: str | None = None, runtime: str = "eager") -> ProfileChoice:
+                    cache_dir: str | None = None, runtime: str = "eager",
+                    search_space: SearchSpace | None = None) -> ProfileChoice:
     """The profile to search with (see the module doc); makes one through hwprofile when none is stored.
-    runtime: the decoding runtime the design is for; its profile (<hardware>-<target>[-compiled].json)."""
+    runtime: the decoding runtime the design is for; its profile (<hardware>-<target>[-compiled].json).
+    search_space: the space searched, which a stored profile must cover (None: the space `space` names)."""
     local = local_hardware(device)
     if profile is not None:
         path = Path(profile)
@@ -129,7 +131,8 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
                 if stale:  # this machine can measure it again, with the kernels decoding now runs
                     logger.warning("hardware %s: the stored profile %s was %s; not using it", hardware, path, stale)
                     continue
-                short = uncovered(prof.space or {}, SearchSpace.load(space or default_space_name(target.name)))
+                searched = search_space or SearchSpace.load(space or default_space_name(target.name))
+                short = uncovered(prof.space or {}, searched)
                 if short:  # measured for a smaller space: this one's draft costs would be extrapolated
                     logger.warning("hardware %s: the stored profile %s does not cover the search space (%s); not "
                                    "using it", hardware, path, short)

@@ -208,7 +208,7 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         own = out_dir(cfg, cfg.hardware or local_hardware(cfg.device), target.name) / "profiles"
         choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir), own], own,
                                  device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir,
-                                 runtime=cfg.runtime)
+                                 runtime=cfg.runtime, search_space=space)
     warn_extrapolation(choice.latency, space)
     n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
     trial_seqs = trial_subset(held.sequences, n_trial or None)

@@ -722,6 +722,12 @@ def test_a_stored_profile_of_a_smaller_space_is_measured_again(assets, tmp_path,
     said = [r.getMessage() for r in caplog.records if "does not cover the search space" in r.getMessage()]
     assert said and "fusion ['cross', 'hybrid'] not measured" in said[0] and "depth [2] outside 1..1" in said[0]
     assert choice.how == "measured" and choice.path == tmp_path / "run" / "cpu-tiny-llava.json"
+    # a search of a space within it (e.g. a supernet's own, given as an object: a custom YAML's name cannot be
+    # loaded again) uses it
+    small = replace(SearchSpace.load("tiny"), fusion=("concat",), depth=(1,))
+    with single_thread():
+        assert resolve_profile(target, None, None, [stored], tmp_path / "run2", quick=True,
+                               search_space=small).how == "stored"
 
 
 def test_finetuning_unrolls_no_deeper_than_the_chosen_tree(assets, monkeypatch):
