@@ -164,6 +164,8 @@ def describe(row: dict) -> str:
     if row.get("lookup"):
         s = row["lookup"]
         rule = f" ({row['merge']})" if row.get("merge") else ""
+        if row.get("merge") == "switch" and "neural_share" in row:
+            rule = f" (switch: the network drafts in {row['neural_share']:.0%} of cycles)"
         weak = f" weak {s['weak_depth']}" if s.get("weak_depth") else ""
         corpus = f" + corpus {s['corpus_depth']}" if s.get("corpus_depth") else ""
         corpus += f"+{s['corpus_second']}" if s.get("corpus_second") else ""

@@ -75,6 +75,11 @@ WIDE_CORPUS = ((4, 2),)
 # one-token subnet 1x8/8 + lookup n<=2 8x2/16 + corpus 4+2): 6-token chains under the 8 leaves took tau 2.51 -> 2.74,
 # 1.91x -> 2.04x on the stored H200 profile; on the 2-core CPU's profile every variant lost
 LEAF_CHAINS = ((2, 2), (2, 4), (4, 4), (2, 8), (4, 8), (6, 8), (4, 16))
+# a merged design whose network drafts in fewer cycles than this share is the lookup design with weights it hardly
+# uses (the switch rule beside a corpus branch: the lookup trie is never empty, so the network never runs; the demo's
+# table showed such a row tying prompt + corpus lookup to the last digit, hiding the best merged design that does
+# use its network): best_merged passes over it
+MIN_NEURAL_SHARE = 0.05
 
 
 def with_corpus(grid: tuple[LookupSpec, ...]) -> tuple[LookupSpec, ...]:
@@ -374,6 +379,7 @@ class KindScorer:
         row = self._row("neural+lookup" if lookup is not None else "neural", rep, fixed, arch=arch, lookup=lookup)
         if lookup is not None:
             row["merge"] = rule
+            row["neural_share"] = round(share, 4)
         return row
 
     def _row(self, kind: str, rep: Replay, fixed_ms: float, arch: DraftArch | None = None,
@@ -435,8 +441,9 @@ class KindScorer:
 
     def best_merged(self, arch: DraftArch, sweep: TreeSweep, depths, totals, grid=LOOKUP_GRID) -> dict:
         """The best (tree depth, total_tokens, LookupSpec) of `arch` merged with lookup (grid None: the
-        neural draft alone, best tree), on this profile."""
-        best = None
+        neural draft alone, best tree), on this profile; merged designs whose network drafts in fewer than
+        MIN_NEURAL_SHARE of the cycles are passed over (they are the lookup rows' designs) unless all are such."""
+        best, idle = None, None
         for d in depths:
             if d > sweep.max_depth:
                 continue
@@ -445,8 +452,11 @@ class KindScorer:
                 for spec in grid if grid is not None else (None,):
                     for rule in RULES if spec is not None else ("union",):
                         row = self.neural(a, sweep, spec, rule=rule)
-                        if best is None or row["speedup"] > best["speedup"]:
+                        if row.get("neural_share", 1.0) < MIN_NEURAL_SHARE:
+                            idle = row if idle is None or row["speedup"] > idle["speedup"] else idle
+                        elif best is None or row["speedup"] > best["speedup"]:
                             best = row
+        best = best or idle
         return self.best_leaf_chains(best, sweep) if best is not None else None
 
     def best_leaf_chains(self, row: dict, sweep: TreeSweep) -> dict:

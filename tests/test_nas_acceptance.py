@@ -345,3 +345,42 @@ def test_leaf_chain_replay_equals_real_decoding_and_the_search_prices_it(trained
                                                                           total_tokens=2),))
         leaf = (row["lookup"]["leaf_depth"], row["lookup"]["leaf_count"])
         assert (leaf in LEAF_CHAINS) == chains and (leaf == (0, 0)) == (not chains), (per_token, row["lookup"])
+
+
+def test_a_merged_design_whose_network_never_drafts_is_not_the_merged_row(trained):
+    """Beside a corpus branch the lookup trie is never empty, so the switch rule never runs the network: that design
+    is the lookup row's, with weights it does not use. The merged row records the share of cycles its network
+    drafts and best_merged passes over designs below MIN_NEURAL_SHARE, even when one of them prices best (here:
+    verifying costs a step per token, so the smaller switch trees win on price)."""
+    from decode.drafts import LookupSpec
+    from decode.drafts.corpus import NgramCorpus
+    from nas.kinds import MIN_NEURAL_SHARE, KindScorer
+    from nas.treesweep import TreeSweep
+
+    target, model, seqs = trained
+    answers = [s["input_ids"][int(s["prompt_len"]):].tolist() for s in seqs]
+    every = list(range(target.vocab_size)) + [0]  # every token has a next one: a corpus branch at every root
+    corpus = NgramCorpus.build([a[: len(a) // 2] for a in answers] + [every], target.vocab_size)
+
+    class PerToken:  # every verified token costs a step; drafting is free
+        def target_step_ms(self, context=None):
+            return 10.0
+
+        def verify_ms(self, n, context=None):
+            return 10.0 * n
+
+        def breakdown(self, arch, accepted=1.0, context=None):
+            return {"verify": 0.0, "total": 0.0}
+
+    arch = replace(model.space.largest(model.entropy_layer), tree_depth=2, top_k=2, total_tokens=4)
+    sweep = TreeSweep.run(NeuralDraft(model.set_active(arch)), seqs, target.num_layers, top_k=2, max_depth=2)
+    scorer = KindScorer(seqs, PerToken(), lookup_ms=0.0, corpus=corpus, corpus_ms=0.0)
+    spec = LookupSpec(max_ngram=2, tree_depth=2, top_k=1, total_tokens=2, corpus_depth=2, corpus_second=1)
+    switch = scorer.neural(arch, sweep, spec, rule="switch")
+    union = scorer.neural(arch, sweep, spec, rule="union")
+    assert switch["neural_share"] == 0.0 and union["neural_share"] == 1.0
+    alone = scorer.lookup(spec)
+    assert (switch["tau"], switch["verify_tokens"]) == (alone["tau"], alone["verify_tokens"])  # the lookup design
+    assert switch["speedup"] > union["speedup"]  # it would win on price
+    row = scorer.best_merged(arch, sweep, [1, 2], [2, 4], grid=(spec,))
+    assert row["neural_share"] >= MIN_NEURAL_SHARE and row["merge"] == "union"
