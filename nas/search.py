@@ -62,7 +62,7 @@ class SearchConfig:
     supernet: str | None = None  # None: the pipeline (cache folder, built when missing)
     profile: str | None = None
     runtime: str = "eager"  # decoding runtime the design is for: its profile prices the designs
-    profile_dir: str = "profiles"  # where stored profiles are looked up (and, with --supernet, new ones written)
+    profile_dir: str = "profiles"  # where stored profiles are looked up (new ones go to the run's own profiles/)
     space: str | None = None  # None: the supernet's own space
     trials: int | None = None  # None: the scale's default (40 at demo scale)
     storage: str | None = None  # None: sqlite:///OUT/study.db
