@@ -182,8 +182,11 @@ def uncovered(covered: dict, space) -> str | None:
     when it covers them all (or records no space: profiles made before it was recorded)."""
     if not covered:
         return None
-    why = [f"{name} {sorted(set(getattr(space, name)) - set(covered.get(name, [])), key=str)} not measured"
-           for name in ("fusion", "draft_vocab") if set(getattr(space, name)) - set(covered.get(name, []))]
+    why = []
+    for name in ("fusion", "draft_vocab"):
+        missing = set(getattr(space, name)) - set(covered.get(name, []))
+        if missing:
+            why.append(f"{name} {sorted(missing, key=str)} not measured")
     why += [f"{name} {outside} outside {min(have)}..{max(have)}"
             for name, (have, outside) in outside_range(covered, space).items()]
     return "; ".join(why) or None

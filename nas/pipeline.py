@@ -279,15 +279,16 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path) -> Path:
 
 
 def profile_stage(cfg: PipelineConfig, target: TargetModel, hardware: str | None, quick: bool,
-                  stored: Path = Path("profiles"), runtime: str = "eager"):
+                  stored: Path = Path("profiles"), runtime: str = "eager", search_space=None):
     """The latency profile of `hardware` for the target: a stored one (under `stored`, then this run's
-    profiles/), else measured here or predicted, written to run_dir/profiles. -> nas.hardware.ProfileChoice."""
+    profiles/; one covering `search_space`, the SearchSpace searched, None: the scale's), else measured here or
+    predicted, written to run_dir/profiles. -> nas.hardware.ProfileChoice."""
     from nas.hardware import resolve_profile
 
     own = cfg.run_dir / "profiles"
     with stage_lock(cfg, "profile"):
         return resolve_profile(target, hardware, None, [stored, own], own, device=cfg.device, space=cfg.space_name,
-                               quick=quick, cache_dir=cfg.cache_dir, runtime=runtime)
+                               quick=quick, cache_dir=cfg.cache_dir, runtime=runtime, search_space=search_space)
 
 
 def prepare(cfg: PipelineConfig, target: TargetModel, heldout: bool = True) -> tuple[Path, Path | None]:

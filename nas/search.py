@@ -203,7 +203,8 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     held = heldout_sequences(target, supernet, state, heldout_data, n_heldout, space)
     quick = bool(defaults["quick_profile"])
     if cfg.profile is None and cfg.supernet is None:  # the pipeline: new profiles go to its run folder
-        choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir), cfg.runtime)
+        choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir), cfg.runtime,
+                                        search_space=space)
     else:  # a profile made now belongs to this search's output folder, never to the checkout's profiles/
         own = out_dir(cfg, cfg.hardware or local_hardware(cfg.device), target.name) / "profiles"
         choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir), own], own,
