@@ -48,7 +48,7 @@ def main() -> None:
     policy = make_policy(draft, None, {})
     sampling = SamplingConfig()
     items = parse_prompt_spec(args.prompts)
-    prompts = [target.build_prompt(i.text, i.image) for i in items]
+    prompts = [target.build_prompt(i.text, i.image, i.history) for i in items]
     arms = {"vanilla@compiled": None, "levels-compiled": True, "levels-eager": False}
     methods = {name: Method.vanilla("compiled") if flag is None else Method(name, draft, policy, runtime="compiled")
                for name, flag in arms.items()}

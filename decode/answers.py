@@ -236,7 +236,7 @@ def build_answers(config: AnswersConfig, target=None) -> Path:
                         "ask for sharegpt:N only")
     # text prompts cut to their tail (the part next to the answer); an image prompt is whole (its image tokens sit at
     # its start, and it is short)
-    built = [(target.build_prompt(it.text, it.image), it.id) for it in items]
+    built = [(target.build_prompt(it.text, it.image, it.history), it.id) for it in items]
     prompts = [(p if p.has_image else p.tail(config.max_prompt_tokens), pid) for p, pid in built
                if p.has_image or batchable(p)]
     chunks, planned, spent = _plan(prompts, config, old)

@@ -172,7 +172,7 @@ def run_bench(config: BenchConfig, prompts: list[PromptItem] | None = None,
         raise UserError(f"no prompts to run (spec '{config.prompts}', {skipped} image prompts skipped on a "
                         f"text-only target); ask for sharegpt:N")
     methods = _methods(config, target)
-    built = [(item, target.build_prompt(item.text, item.image)) for item in items]
+    built = [(item, target.build_prompt(item.text, item.image, item.history)) for item in items]
     env = environment(target.device)
     logger.info("bench: %s on %s, %d prompts x %d methods x %d repeats", target.name, env["device"], len(built),
                 len(methods), config.repeats)
@@ -299,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "layerskip:K | random:FUSION | hf-generate | hf-compiled | "
                                                    "hf-lookup:N[:M] (transformers' generate: plain, with a static "
                                                    "cache and torch.compile, or with prompt lookup)")
-    p.add_argument("--prompts", default=BenchConfig.prompts, help=f"prompt spec (default: {BenchConfig.prompts})")
+    p.add_argument("--prompts", default=BenchConfig.prompts,
+                   help="prompt spec: sharegpt:N (first messages), images:N (photo questions), chat:N (later "
+                        f"messages after the exchange before them) (default: {BenchConfig.prompts})")
     p.add_argument("--exclude-data", default=None, metavar="DIR[,DIR]",
                    help="pass over the prompts these supernet.data folders were built from, e.g. a search's held-out "
                         "data (<cache>/runs/<target>-<scale>/heldout): a bench on prompts the search never saw")

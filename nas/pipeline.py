@@ -107,7 +107,7 @@ def _complete(out: Path, config=None) -> bool:
         return False
     if config is not None:
         have = manifest.get("config", {})
-        keys = ("prompts", "mode", "max_len", "max_new_tokens", "max_prompt_chars")
+        keys = ("prompts", "mode", "max_len", "max_new_tokens", "max_prompt_chars", "min_answer")
         changed = [k for k in keys if k in have and have[k] != getattr(config, k)]
         if changed:
             logger.warning("%s was built with other settings than the scale's now (%s); building it again", out,
@@ -157,7 +157,11 @@ def heldout_stage(cfg: PipelineConfig, target: TargetModel) -> Path:
         settings = nas_defaults(cfg.scale)["heldout_data"]
         # the entropy layer must be the supernet's: take it from the training data instead of calibrating again
         entropy = FeatureData(cfg.run_dir / "data").entropy_layer
-        data_cfg = _data_config(cfg, out, **{**settings, "min_answer": 0}, split="heldout", entropy_layer=entropy)
+        # room for the whole answer: a prompt longer than max_len - max_new_tokens (a chat prompt's history) keeps its
+        # tail, next to the answer (with min_answer 0, 28 of the cpu scale's 136 chat prompts filled max_len and were
+        # dropped from the replay for want of an answer)
+        data_cfg = _data_config(cfg, out, **{**settings, "min_answer": settings["max_new_tokens"]}, split="heldout",
+                                entropy_layer=entropy)
         if _complete(out, data_cfg):
             logger.info("held-out stage: reusing %s", out)
             return out

@@ -159,7 +159,7 @@ def _answer_tokens(target: TargetModel, prompt: Prompt, item: PromptItem, config
 
 
 def build_prompt(target: TargetModel, item: PromptItem, config: DataConfig) -> Prompt:
-    return _keep_tail(target.build_prompt(item.text, item.image), config)
+    return _keep_tail(target.build_prompt(item.text, item.image, item.history), config)
 
 
 def build_sequence(target: TargetModel, item: PromptItem, config: DataConfig,
@@ -459,7 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take prompts/mode/max-len/topk from configs/scale/<scale>.yaml (explicit flags win)")
     p.add_argument("--split", choices=("train", "heldout"), default=d.split,
                    help=f"prompt split: train for supernet.train, heldout for nas.search (default: {d.split})")
-    p.add_argument("--prompts", default=None, help=f"prompt spec (default: {d.prompts})")
+    p.add_argument("--prompts", default=None,
+                   help="prompt spec: sharegpt:N, images:N, chat:N (held-out split: later messages after the "
+                        f"exchange before them) (default: {d.prompts})")
     p.add_argument("--mode", choices=MODES, default=None,
                    help=f"answers: the dataset's or the target's own (default: {d.mode})")
     p.add_argument("--max-len", type=int, default=None, help=f"tokens per sequence (default: {d.max_len})")

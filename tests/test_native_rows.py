@@ -39,7 +39,7 @@ def _check_rows(product, n_in: int, n_out: int, rows: int) -> None:
     assert torch.equal(y, alone)  # bitwise: a vanilla step and a tree verification see the same row values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 25, 40])
 @pytest.mark.parametrize("n_in,n_out", [(64, 48), (37, 3), (576, 1), (1536, 576), (23, 8200)])
 def test_values_and_bitwise_row_independence(rows, n_in, n_out):
     assert native_rows.available()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,10 +21,18 @@ from conftest import single_thread, tiny_target
 from safetensors.torch import load_file
 
 from configs import config_dir
+from decode.datasets import PromptItem
 from decode.space import SearchSpace
 from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data
-from supernet.train import TrainConfig, build_parser, config_from_args, scale_defaults, scale_space, train
+from supernet.train import (
+    TrainConfig,
+    build_parser,
+    config_from_args,
+    scale_defaults,
+    scale_space,
+    train,
+)
 
 TARGET = "tiny-llava"
 SCALES = sorted(p.stem for p in config_dir("scale").glob("*.yaml"))
@@ -253,3 +262,32 @@ def test_pipeline_builds_the_scales_own_answer_data_once(data_dir, tmp_path, mon
     assert manifest["entropy"]["layer"] == json.loads((data_dir / "manifest.json").read_text())["entropy"]["layer"]
     stamp = (out / "manifest.json").stat().st_mtime_ns
     assert pipeline.finetune_data_stage(cfg, target) == out and (out / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_the_heldout_stage_leaves_room_for_every_answer(tmp_path, monkeypatch):
+    """The held-out stage's data keeps max_new_tokens of room after each prompt (min_answer): a chat prompt whose
+    history outgrows max_len keeps its tail instead of filling max_len and dropping out of the replay for want of an
+    answer; a cached folder made with another min_answer is built again."""
+    from nas import pipeline
+    from nas.pipeline import PipelineConfig, _complete, heldout_stage
+    from supernet import data as data_mod
+    from supernet import dataset as dataset_mod
+
+    built = []
+    monkeypatch.setattr(dataset_mod, "FeatureData", lambda directory, target=None: SimpleNamespace(entropy_layer=1))
+    monkeypatch.setattr(data_mod, "build_data", lambda c, target=None: built.append(c) or tmp_path / "heldout")
+    defaults = pipeline.nas_defaults("smoke")
+    monkeypatch.setattr(pipeline, "nas_defaults", lambda scale: {
+        **defaults, "heldout_data": {**defaults["heldout_data"], "prompts": "chat:2", "max_new_tokens": 24}})
+    heldout_stage(PipelineConfig(target="tiny-llama", scale="smoke", root=str(tmp_path)), tiny_target("tiny-llama"))
+    cfg = built.pop()
+    assert cfg.min_answer == cfg.max_new_tokens == 24 and cfg.split == "heldout"
+    long = PromptItem("chat:x_0:1", "And then?", None, None, history=(("word " * 300, "reply " * 300),))
+    prompt = data_mod.build_prompt(tiny_target("tiny-llama"), long, cfg)
+    assert prompt.length == cfg.max_len - 24 and data_mod.answer_budget(prompt, long, cfg) == 24
+
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {
+        "prompts": cfg.prompts, "mode": cfg.mode, "max_len": cfg.max_len, "max_new_tokens": 24, "min_answer": 0}}))
+    assert not _complete(out, dataclasses.replace(cfg, out=str(out))) and not out.exists()

@@ -256,3 +256,18 @@ def test_a_damaged_manifest_is_one_line(tmp_path, manifest):
     (tmp_path / "manifest.json").write_text(manifest)
     with pytest.raises(UserError, match="not a data manifest"):
         FeatureData(tmp_path)
+
+
+def test_a_chat_item_is_answered_after_its_history():
+    """A chat prompt (PromptItem.history) reaches the data: its sequence holds the earlier exchange before the
+    message, and the regenerated answer is the target's greedy continuation of that whole prompt."""
+    target = tiny_target("tiny-llama")
+    item = PromptItem("chat:aaa_0:1", "And the capital of Spain?", None, "Madrid.",
+                      history=(("What is the capital of France?", "Paris."),))
+    cfg = _config("unused", target="tiny-llama", mode="regenerate", max_new_tokens=4, max_len=200)
+    full, p = build_sequence(target, item, cfg)
+    prompt = target.build_prompt(item.text, None, item.history)
+    assert p == prompt.length and full.input_ids[0, :p].tolist() == prompt.input_ids[0].tolist()
+    assert p > target.build_prompt(item.text).length
+    want = vanilla_generate(target, prompt, max_new_tokens=4).tokens
+    assert full.input_ids[0, p:].tolist() == want[:full.length - p]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ALL_PRESETS, VLM_PRESETS, tiny_prompt, tiny_target
+from conftest import ALL_PRESETS, VLM_PRESETS, photo, tiny_prompt, tiny_target
 
 from decode.targets.capture import normalize_layer
 
@@ -83,3 +83,19 @@ def test_fingerprint_survives_save_and_dtype(tmp_path):
     again = load_target(str(tmp_path), device="cpu", dtype="bfloat16")
     assert again.fingerprint() == target.fingerprint()
     assert again.spec.family == "idefics3" and again.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-smolvlm", "tiny-qwen2.5-vl", "tiny-paligemma"])
+def test_a_prompt_after_history_holds_the_earlier_exchange_first(name):
+    """build_prompt(text, image, history): the earlier (user, assistant) exchange comes before the message, in
+    order, in the family's template (plain lines without one), and the prompt ends as the one without history."""
+    target = tiny_target(name)
+    history = (("Name a colour of the sea.", "Blue, mostly."),)
+    alone = target.build_prompt("And of the sky?")
+    after = target.build_prompt("And of the sky?", None, history)
+    assert after.text.index("Name a colour of the sea.") < after.text.index("Blue, mostly.") < after.text.rindex(
+        "And of the sky?")
+    assert after.length > alone.length
+    assert after.input_ids[0, -3:].tolist() == alone.input_ids[0, -3:].tolist()  # the same message and its opening
+    with_image = target.build_prompt("And of the sky?", photo() if target.is_vlm else None, history)
+    assert with_image.has_image == target.is_vlm

@@ -169,9 +169,10 @@ class TargetModel:
         )
 
     # ----------------------------------------------------------------- prompt
-    def build_prompt(self, text: str, image: object = None) -> Prompt:
-        """Chat-templated prompt with the family's image tokens; image: PIL image, path or None."""
-        return build_prompt(self, text, image)
+    def build_prompt(self, text: str, image: object = None, history: tuple[tuple[str, str], ...] = ()) -> Prompt:
+        """Chat-templated prompt with the family's image tokens; image: PIL image, path or None; history: the
+        (user, assistant) exchanges before the message."""
+        return build_prompt(self, text, image, history)
 
     @property
     def seq_len(self) -> int:
