@@ -143,10 +143,11 @@ def test_finetuning_is_skipped_when_it_cannot_change_the_choice(assets, tmp_path
 
     base = {"tau_ci95": [1.0, 1.0], "verify_tokens": 1.0, "arch": None, "lookup": None, "cycles": 0, "tau": 1.0}
     rows = [{**base, "kind": "none", "speedup": 1.0}, {**base, "kind": "prompt-lookup", "speedup": 1.5},
-            {**base, "kind": "neural", "speedup": 1.2}, {**base, "kind": "neural+lookup", "speedup": 1.3}]
-    assert not choose_mod.finetune_may_pay(rows)  # 1.3 x 1.15 < 1.5
-    rows[3]["speedup"] = 1.31
-    assert choose_mod.finetune_may_pay(rows)  # 1.31 x 1.15 >= 1.5
+            {**base, "kind": "neural", "speedup": 1.2}, {**base, "kind": "neural+lookup", "speedup": 1.38}]
+    assert choose_mod.FINETUNE_GAIN == 0.08
+    assert not choose_mod.finetune_may_pay(rows)  # 1.38 x 1.08 < 1.5
+    rows[3]["speedup"] = 1.39
+    assert choose_mod.finetune_may_pay(rows)  # 1.39 x 1.08 >= 1.5
     assert not choose_mod.finetune_may_pay(rows[:2])  # no neural row: nothing to fine-tune
 
     defaults = pipeline.nas_defaults
