@@ -52,6 +52,11 @@ def _messages(text: str, with_image: bool, is_vlm: bool, history: tuple[tuple[st
     return earlier + [{"role": "user", "content": content(text, with_image)}]
 
 
+def _plain(text: str, history: tuple[tuple[str, str], ...]) -> str:
+    """The message after its earlier exchanges as plain lines (a family or tokenizer without a chat template)."""
+    return "\n".join([t for pair in history for t in pair] + [text])
+
+
 def build_prompt(target: "TargetModel", text: str, image: object = None,
                  history: tuple[tuple[str, str], ...] = ()) -> Prompt:
     """The prompt for one user message (and image) after the (user, assistant) exchanges in `history`."""
@@ -65,7 +70,7 @@ def build_prompt(target: "TargetModel", text: str, image: object = None,
     if not target.spec.chat_template:
         # PaliGemma: the processor adds image tokens + BOS; the prompt ends with a newline. No chat template: earlier
         # exchanges go before the message as plain lines
-        text = "\n".join([t for pair in history for t in pair] + [text])
+        text = _plain(text, history)
         if pil is not None:
             enc = proc(images=[pil], text=text, return_tensors="pt")
         else:
@@ -74,7 +79,7 @@ def build_prompt(target: "TargetModel", text: str, image: object = None,
     else:
         if getattr(tok, "chat_template", None) is None and getattr(proc, "chat_template", None) is None:
             logger.warning("target %s has no chat template; using the raw prompt text", target.name)
-            templated = "\n".join([t for pair in history for t in pair] + [text])
+            templated = _plain(text, history)
         else:
             msgs = _messages(text, pil is not None, target.is_vlm, history)
             templated = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)

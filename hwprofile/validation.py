@@ -97,18 +97,15 @@ def space_of(profile: Profile) -> SearchSpace:
 
 def sample_prompts(target: TargetModel, kind: str, n: int, cache_dir: str | None) -> list[Prompt]:
     if kind == "fixed":
-        texts = [(FIXED_PROMPTS[i % len(FIXED_PROMPTS)], None, ()) for i in range(n)]
-    else:
-        from decode.datasets import parse_prompt_spec
+        return [target.build_prompt(FIXED_PROMPTS[i % len(FIXED_PROMPTS)]) for i in range(n)]
+    from decode.datasets import parse_prompt_spec
 
-        if kind == "images" and not target.is_vlm:
-            raise UserError(f"target '{target.name}' is text-only; use --prompts sharegpt or fixed")
-        items = parse_prompt_spec(f"{kind}:{n}", cache_dir=cache_dir)
-        if not items:
-            raise UserError(f"no {kind} prompts available; use --prompts fixed")
-        texts = [(items[i % len(items)].text, items[i % len(items)].image, items[i % len(items)].history)
-                 for i in range(n)]
-    return [target.build_prompt(text, image, history) for text, image, history in texts]
+    if kind == "images" and not target.is_vlm:
+        raise UserError(f"target '{target.name}' is text-only; use --prompts sharegpt or fixed")
+    items = parse_prompt_spec(f"{kind}:{n}", cache_dir=cache_dir)
+    if not items:
+        raise UserError(f"no {kind} prompts available; use --prompts fixed")
+    return [target.build_prompt(it.text, it.image, it.history) for it in (items[i % len(items)] for i in range(n))]
 
 
 def _time_phases(timer: Timer, target, draft, state: dict, policy: TreePolicy) -> tuple[float, float, float]:
