@@ -95,7 +95,7 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
     profile = Profile(
         hardware=info.hardware, predicted=False, device=info.to_dict(),
         # nas.hardware checks these: a stored profile measured with other kernels (or draft weights) is measured again
-        versions=versions(info) | {"attention": target.model.config._attn_implementation, "linear": linear_kernels(),
+        versions=versions(info) | {"attention": target.attention_kernels(), "linear": linear_kernels(),
                                    "draft_weights": cpu_format() if target.device.type == "cpu" else "model"}
         | ({"compiled": compile_tag(target.device.type)} if target.runtime == "compiled" else {}),
         dtype=str(target.dtype).removeprefix("torch."), runtime=target.runtime,

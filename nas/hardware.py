@@ -71,8 +71,11 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
     before single-threaded CPU inductor kernels record none). None when all match or the profile is predicted."""
     if profile.predicted:
         return None
-    checks = [("attention", target.model.config._attn_implementation, "tree attention", "verify costs differ")]
-    if profile.device.get("kind") == "cpu":
+    cpu = profile.device.get("kind") == "cpu"
+    # the native attention kernel ("+native") is a CPU kernel: a GPU profile read on a CPU host compares the rest
+    attention = target.attention_kernels() if cpu else target.model.config._attn_implementation
+    checks = [("attention", attention, "tree attention", "verify costs differ")]
+    if cpu:
         checks.append(("linear", linear_kernels(), "few-row linear kernels", "step and verify costs differ"))
         checks.append(("draft_weights", cpu_format(), "draft weights", "draft level costs differ"))
     if profile.runtime == "compiled":

@@ -10,6 +10,7 @@ import decode.bench as bench
 from decode.bench import BenchConfig, format_table, run_bench
 from decode.datasets import PromptItem
 from decode.errors import UserError
+from decode.runtime import small_rows
 
 PROMPTS = [
     PromptItem("sharegpt:a", "Repeat after me: one two three, one two three, one two", None, None),
@@ -28,7 +29,7 @@ def test_bench_main_writes_json_and_table(tmp_path, monkeypatch, capsys):
     assert REQUIRED <= set(res)
     assert res["config"]["drafts"] == ["prompt-lookup", "layerskip:1"] and res["config"]["max_new_tokens"] == 8
     assert set(res["versions"]) == {"python", "torch", "transformers"}
-    assert res["small_rows"]["mode"] in ("auto", "on", "off") and isinstance(res["small_rows"]["choices"], dict)
+    assert res["small_rows"]["mode"] in small_rows.MODES and isinstance(res["small_rows"]["choices"], dict)
     assert res["prompts"]["count"] == 2 and res["prompts"]["skipped_image_prompts"] == 1  # text-only target
     summary = {row["method"]: row for row in res["summary"]}
     assert list(summary) == ["vanilla", "prompt-lookup", "layerskip:1"]

@@ -94,7 +94,7 @@ def test_a_cpu_profile_timed_with_the_other_draft_weights_is_stale(monkeypatch):
     from nas.hardware import stale_kernels
 
     target = tiny_target("tiny-llama")
-    versions = {"attention": target.model.config._attn_implementation, "linear": small_rows.linear_kernels(),
+    versions = {"attention": target.attention_kernels(), "linear": small_rows.linear_kernels(),
                 "draft_weights": "fp32"}
     profile = SimpleNamespace(predicted=False, device={"kind": "cpu"}, versions=versions, runtime="eager")
     assert "draft weights" in stale_kernels(profile, target)

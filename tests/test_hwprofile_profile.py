@@ -10,6 +10,7 @@ from conftest import single_thread
 
 from decode.arch import DraftArch
 from decode.errors import UserError
+from decode.runtime import small_rows
 from hwprofile.latency import LatencyModel, tree_tokens
 from hwprofile.profile import main as profile_main
 from hwprofile.schema import TABLE_AXES, Profile
@@ -33,7 +34,7 @@ def test_measured_profile_is_complete(measured):
     assert measured.stat().st_size < 1_000_000
     # the few-row kernels each shape took while measuring: a run that chose others decodes at other costs
     rows = raw["small_rows"]
-    assert rows["mode"] in ("auto", "on", "off") and isinstance(rows["choices"], dict)
+    assert rows["mode"] in small_rows.MODES and isinstance(rows["choices"], dict)
     if rows["mode"] == "auto":
         assert any(key.startswith("1x") for key in rows["choices"])  # the decoding step's one-row shapes
     assert Profile.load(measured).small_rows == rows

@@ -675,7 +675,7 @@ def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tm
 
     target = tiny_target(TARGET)
     data = json.loads(Path(assets["profile"]).read_text())
-    assert data["versions"]["attention"] == target.model.config._attn_implementation  # recorded when measured
+    assert data["versions"]["attention"] == target.attention_kernels()  # recorded when measured
     assert data["versions"]["linear"] == linear_kernels()
     assert stale_kernels(Profile.from_json(data), target) is None
     del data["versions"][kernel]
@@ -689,8 +689,30 @@ def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tm
             choice = resolve_profile(target, None, None, [stored], tmp_path / "run", quick=True)
     assert any(said in r.getMessage() for r in caplog.records)
     assert choice.path == tmp_path / "run" / "cpu-tiny-llava.json" and choice.path.is_file()  # measured here
-    assert Profile.load(choice.path).versions["attention"] == target.model.config._attn_implementation
+    assert Profile.load(choice.path).versions["attention"] == target.attention_kernels()
     assert Profile.load(choice.path).versions["linear"] == linear_kernels()
+
+
+def test_the_cpu_attention_kernel_makes_cpu_profiles_stale_not_gpu_ones():
+    """A CPU profile timed before the native decoding attention ("+native") misprices steps and trees on this
+    machine; a GPU profile (which never runs that kernel) read by a search on a CPU host stays valid."""
+    from types import SimpleNamespace
+
+    from nas.hardware import stale_kernels
+
+    target = tiny_target(TARGET)
+    assert target.attention_kernels().endswith("+native")  # a CPU float32 target with the kernels built
+    plain = target.model.config._attn_implementation
+    gpu = SimpleNamespace(predicted=False, device={"kind": "cuda"}, versions={"attention": plain}, runtime="eager")
+    assert stale_kernels(gpu, target) is None
+    from decode.drafts.pack import cpu_format
+    from decode.runtime.small_rows import linear_kernels
+
+    cpu = SimpleNamespace(predicted=False, device={"kind": "cpu"}, runtime="eager",
+                          versions={"attention": plain, "linear": linear_kernels(), "draft_weights": cpu_format()})
+    assert "tree attention" in stale_kernels(cpu, target)
+    cpu.versions["attention"] = target.attention_kernels()
+    assert stale_kernels(cpu, target) is None
 
 
 def test_a_stored_profile_of_a_smaller_space_is_measured_again(assets, tmp_path, caplog):

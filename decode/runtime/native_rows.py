@@ -35,7 +35,10 @@ from decode.runtime.machine import cpu_isa, cpu_model
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rows_kernel.cpp")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
+# the library also holds the decoding attention kernel (decode/runtime/native_attention.py); both include simd.h
+SOURCES = (SOURCE, SOURCE.with_name("attention_kernel.cpp"))
+HEADERS = (SOURCE.with_name("simd.h"),)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC", f"-I{SOURCE.parent}")
 ENV = "VLM_DRAFT_NAS_NATIVE_ROWS"  # "off" (or 0): never build nor use the native kernel
 BUILD_TIMEOUT_S = 120
 
@@ -81,17 +84,19 @@ def _build_dir() -> Path:
 def library_path() -> Path:
     """Where this machine's build of the kernel lives (it may not exist yet)."""
     compiler = _compiler() or "none"
-    key = "|".join([SOURCE.read_text(), " ".join(FLAGS), compiler, _version(compiler), cpu_model(), cpu_isa()])
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    key = "|".join([*texts, " ".join(FLAGS), compiler, _version(compiler), cpu_model(), cpu_isa()])
     return _build_dir() / f"rows-native-{hashlib.sha1(key.encode()).hexdigest()[:12]}.so"
 
 
-def _build(path: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> None:
-    """Compile the kernel (`source`: another version of it, for A/B runs) into `path` (through a temporary file and
-    a rename)."""
+def _build(path: Path, flags: tuple[str, ...] = FLAGS, source: Path | tuple[Path, ...] = SOURCES) -> None:
+    """Compile the kernels (`source`: other versions of them, e.g. one file, for A/B runs) into `path` (through a
+    temporary file and a rename)."""
+    sources = (source,) if isinstance(source, Path) else tuple(source)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run([_compiler(), *flags, str(source), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([_compiler(), *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError((done.stderr or done.stdout).strip().splitlines()[-1:] or ["compiler failed"])
@@ -110,6 +115,10 @@ def load(path: Path) -> ctypes.CDLL:
         lib.vlm_rows_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.vlm_rows_linear_bf16.restype = ctypes.c_int
     lib.vlm_rows_lanes.restype = ctypes.c_int
+    if hasattr(lib, "vlm_tree_attention"):  # absent from builds of the linear kernel alone (A/B runs)
+        lib.vlm_tree_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13
+                                           + [ctypes.c_float, ctypes.c_int])
+        lib.vlm_tree_attention.restype = ctypes.c_int
     return lib
 
 

@@ -13,45 +13,10 @@
 // therefore bitwise the same whether it is computed alone (a vanilla decoding step) or with other rows (a tree
 // verification), which tests/test_native_rows.py checks.
 
-#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__)
-typedef __m512 vec;
-static const int64_t LANES = 16;
-static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec vload_tail(const float* p, int64_t n) {  // the first n < LANES floats, zeros after
-    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
-}
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-typedef __m256 vec;
-static const int64_t LANES = 8;
-static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec vload_tail(const float* p, int64_t n) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), lane));
-}
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
-}
-#else
-#error "rows_kernel.cpp needs AVX2 and FMA (or AVX-512F)"
-#endif
+#include "simd.h"
 
 // Weight vectors: float32 as they are, or LANES bfloat16 values (the high halves of float32s) widened exactly to
 // float32. A bfloat16 weight streams half the bytes, and the few-row products of decoding are bound by that stream:

@@ -30,10 +30,20 @@ code reads them as constants; a shape never measured keeps F.linear. The draft b
 target). Vanilla and speculative decoding run the same layers, so speed-ups stay like-for-like; outputs
 stay token-identical (tested), values within 1e-5 of F.linear.
 
-VLM_DRAFT_NAS_SMALL_ROWS=auto (default) | on (W @ x^T for every candidate call) | native (the native kernel for
-every candidate call, W @ x^T where it is not available) | off (F.linear everywhere; VLM_DRAFT_NAS_PLAIN_LINEAR=1
-means the same). VLM_DRAFT_NAS_NATIVE_ROWS=off keeps the native kernel out of auto's choice. `choices()` lists what
-auto picked ("linear", "wx" or "native" per shape).
+Exact before fast (the default mode, `exact`): where the native kernel is built, every float32 CPU inference call of
+1..EXACT_ROWS rows takes it, whatever auto would time faster. Its result for a row does not depend on the other
+rows (rows_kernel.cpp), and with the native attention kernel (native_attention.py) neither does the rest of a
+forward: a token verified in a tree of up to EXACT_ROWS tokens gets the logits a vanilla step gives it, bit for
+bit, so greedy speculative decoding reproduces the target's own output without exception, where mixing products by
+row count (e.g. MKL for 17+ rows) moved a verified token's logits by up to 2e-5 and could flip a near-tie. On the
+2-core AMD EPYC that every measurement here ran on, auto chose the native kernel for every one of the default
+target's decoding shapes anyway. Without the kernel `exact` is `auto`.
+
+VLM_DRAFT_NAS_SMALL_ROWS=exact (default) | auto (the fastest product per shape, measured: up to ties, not exact) |
+on (W @ x^T for every candidate call) | native (the native kernel for every candidate call, W @ x^T where it is not
+available) | off (F.linear everywhere; VLM_DRAFT_NAS_PLAIN_LINEAR=1 means the same). VLM_DRAFT_NAS_NATIVE_ROWS=off
+keeps the native kernel out of every choice. `choices()` lists what auto picked ("linear", "wx" or "native" per
+shape).
 
 A choice is measured once per machine, not per process: decode.runtime.kernel_table keeps it in a file in the cache
 folder that every later process adopts, so the hardware profile and the bench that checks it run the same kernels
@@ -51,21 +61,22 @@ import torch
 
 from decode.runtime import kernel_table, native_rows
 
-SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) always keep F.linear
+SMALL_ROWS = 16  # inputs with more rows (prefill, training batches) keep F.linear, except in mode exact:
+EXACT_ROWS = 64  # mode exact: rows up to this many (the largest tree verified) take the native kernel
 MARGIN = 0.9  # auto: another product is taken when its median time is below MARGIN x F.linear's
 COLD_BYTES = 128 << 20  # weights streamed per timing sample: four times a 32 MiB last-level cache
 MAX_COPIES = 256  # tiny weights: at most this many clones per timing sample
 VERSION = "rows-cold-5"  # how the choice is made and the native kernel tiles; profiles record it (step and verify
 # costs depend on both)
-MODES = ("auto", "on", "native", "off")
+MODES = ("exact", "auto", "on", "native", "off")
 PRODUCTS = ("linear", "wx", "native")  # F.linear; W @ x^T through torch; the native kernel (native_rows)
 
 
 def _mode_from_env() -> str:
     if os.environ.get("VLM_DRAFT_NAS_PLAIN_LINEAR", "") not in ("", "0"):
         return "off"
-    mode = os.environ.get("VLM_DRAFT_NAS_SMALL_ROWS", "auto").strip().lower() or "auto"
-    return mode if mode in MODES else "auto"
+    mode = os.environ.get("VLM_DRAFT_NAS_SMALL_ROWS", "exact").strip().lower() or "exact"
+    return mode if mode in MODES else "exact"
 
 
 MODE = _mode_from_env()
@@ -146,10 +157,18 @@ def _forced() -> str:
     return "native" if MODE == "native" and native_rows.available() else "wx"
 
 
+def _exact() -> bool:
+    """Mode exact with the native kernel built: every decoding-sized product takes it."""
+    return MODE == "exact" and native_rows.available()
+
+
 def _choose(rows: int, weight: torch.Tensor) -> str:
-    """The product (PRODUCTS) for `rows` rows through `weight` (MODE auto: measured once per machine)."""
+    """The product (PRODUCTS) for `rows` rows through `weight` (MODE auto, or exact without the native kernel:
+    measured once per machine)."""
     if MODE in ("on", "native"):
         return _forced()
+    if _exact():
+        return "native"
     key = (rows, weight.shape[1], weight.shape[0])
     choice = _CHOICE.get(key)
     if choice is None:
@@ -187,7 +206,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias), through W @ x^T or the native kernel where that is faster (few rows, CPU, float32,
     inference), or a float32 x through a bfloat16 weight. x: (..., in), weight (out, in) -> (..., out)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    few = (1 <= rows <= SMALL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
+    limit = EXACT_ROWS if MODE == "exact" and _native_ready() else SMALL_ROWS
+    few = (1 <= rows <= limit and x.device.type == "cpu" and x.dtype == torch.float32
            and weight.dtype == torch.float32)
     compiling = torch.compiler.is_compiling()
     if weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -226,13 +246,16 @@ def _measured_choice(rows: int, n_in: int, n_out: int) -> int:
     mode off); traced as a constant, so a graph neither guards on nor recompiles for later entries of the table."""
     if MODE in ("on", "native"):
         return PRODUCTS.index(_forced())
-    return PRODUCTS.index(_usable(_CHOICE.get((rows, n_in, n_out), "linear")) if MODE == "auto" else "linear")
+    if _exact():
+        return PRODUCTS.index("native")
+    measured = MODE in ("auto", "exact")
+    return PRODUCTS.index(_usable(_CHOICE.get((rows, n_in, n_out), "linear")) if measured else "linear")
 
 
 def measure_linears(model: torch.nn.Module, rows: int) -> int:
     """Time (auto mode) the choice for `rows`-row inputs of every float32 CPU nn.Linear of `model` that has not
     been timed yet, so that a graph compiled afterwards takes the faster product; -> shapes measured now."""
-    if MODE != "auto" or not 1 <= rows <= SMALL_ROWS:
+    if MODE not in ("auto", "exact") or _exact() or not 1 <= rows <= SMALL_ROWS:
         return 0
     _sync_table()
     n = 0

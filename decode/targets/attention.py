@@ -14,6 +14,11 @@ and SDPA runs on the KV heads as stored. Every (query, key) pair meets the same 
 token this is transformers' own packed path, which it skips under torch.compile (the compiled runtime then
 copied its whole static cache per layer on every vanilla step too); here both runtimes take it.
 
+On a CPU in float32, a step or tree of at most native_attention.MAX_QUERIES tokens (grouped heads or not) takes
+the native decoding attention kernel instead (decode/runtime/native_attention.py), which computes each query the
+same way whatever else is in the call: a token verified in a tree gets the bits a vanilla step gives it, so greedy
+speculative decoding is the target's own output exactly, not up to a near-tie.
+
 `use_packed_gqa(model)` switches a model from "sdpa" to this implementation (registered under PACKED_SDPA,
 with transformers' SDPA mask builder); anything it does not cover (no mask, a per-head mask,
 position biases, attention sinks, no grouped heads) goes to transformers' SDPA function unchanged.
@@ -25,6 +30,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from decode.runtime import native_attention
 
 PACKED_SDPA = "sdpa_packed_gqa"
 
@@ -45,13 +52,15 @@ def packed_gqa_attention(
         # (a shorter mask; the cache's later positions are all masked), where attention reads only those. Sliced
         # unconditionally: a length test would make torch.compile specialise the window's symbolic length
         key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
+    plain = (kwargs.get("position_bias") is None and kwargs.get("s_aux") is None and kwargs.get("sinks") is None
+             and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False) and not dropout)
+    if plain and native_attention.usable(query, key, value, attention_mask):
+        return native_attention.attend(query, key, value, attention_mask, scaling), None
     n_rep = getattr(module, "num_key_value_groups", 1)
     b, h, n, _ = query.shape
     packable = (
         n_rep > 1 and attention_mask is not None and attention_mask.dim() == 4
-        and attention_mask.shape[1] == 1 and h == key.shape[1] * n_rep
-        and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None and kwargs.get("sinks") is None
-        and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
+        and attention_mask.shape[1] == 1 and h == key.shape[1] * n_rep and plain
     )
     if not packable:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -143,6 +143,18 @@ class TargetModel:
     def is_vlm(self) -> bool:
         return self.spec.is_vlm
 
+    def attention_kernels(self) -> str:
+        """What its decoding attention runs: the attention implementation, "+native" where steps and trees take the
+        native kernel (a CPU target in float32: decode/runtime/native_attention.py). Profiles record it: their step
+        and verify costs depend on it."""
+        from decode.runtime import native_attention
+        from decode.targets.attention import PACKED_SDPA
+
+        impl = self.model.config._attn_implementation
+        native = (impl == PACKED_SDPA and self.device.type == "cpu" and self.dtype == torch.float32
+                  and native_attention.available())
+        return f"{impl}+native" if native else impl
+
     @property
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
