@@ -49,9 +49,8 @@ static inline float dot(const float* a, const float* b, int64_t d) {
     return vsum(acc);
 }
 
-struct Shapes {
-    int64_t H, KVH, N, K, D, Dv;
-    int64_t qs_h, qs_n, ks_h, ks_k, vs_h, vs_k, ms_n;
+struct Shapes {  // what one KV head's group of queries reads: keys, head dims, key/value row strides, scale
+    int64_t K, D, Dv, ks_k, vs_k;
     float scale;
 };
 
@@ -117,7 +116,7 @@ extern "C" int vlm_tree_attention(const float* q, const float* k, const float* v
                                   int64_t qs_h, int64_t qs_n, int64_t ks_h, int64_t ks_k, int64_t vs_h, int64_t vs_k,
                                   int64_t ms_n, float scale, int threads) {
     if (H < 1 || KVH < 1 || H % KVH != 0 || N < 1 || K < 1 || D < 1 || Dv < 1 || threads < 1) return 1;
-    const Shapes a{H, KVH, N, K, D, Dv, qs_h, qs_n, ks_h, ks_k, vs_h, vs_k, ms_n, scale};
+    const Shapes a{K, D, Dv, ks_k, vs_k, scale};
     const int64_t rep = H / KVH, per_kv = rep * N, groups = (per_kv + GROUP - 1) / GROUP;
     const int64_t padded = (K + LANES - 1) / LANES * LANES;
     const int use = H * N * K * (D + Dv) >= (1 << 18) ? threads : 1;  // ~0.5 MFLOP: less is not worth a wake-up

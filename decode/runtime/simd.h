@@ -3,7 +3,6 @@
 #pragma once
 
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
