@@ -96,7 +96,8 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
         hardware=info.hardware, predicted=False, device=info.to_dict(),
         # nas.hardware checks these: a stored profile measured with other kernels (or draft weights) is measured again
         versions=versions(info) | {"attention": target.attention_kernels(), "linear": linear_kernels(),
-                                   "draft_weights": cpu_format() if target.device.type == "cpu" else "model"}
+                                   "draft_weights": cpu_format() if target.device.type == "cpu" else "model",
+                                   "kv_cache": target.kv_cache()}
         | ({"compiled": compile_tag(target.device.type)} if target.runtime == "compiled" else {}),
         dtype=str(target.dtype).removeprefix("torch."), runtime=target.runtime,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command_line(),

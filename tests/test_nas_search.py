@@ -661,11 +661,12 @@ def test_lookup_rows_are_picked_again_over_their_grid_on_the_whole_set():
     assert lookup_grids() == {"prompt lookup": LOOKUP_ALONE_GRID}  # no corpus: no corpus row to pick
 
 
-@pytest.mark.parametrize("kernel", ["attention", "linear"])
+@pytest.mark.parametrize("kernel", ["attention", "linear", "kv_cache"])
 def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tmp_path, caplog, kernel):
-    """Profiles record the attention implementation and the few-row linear kernels they timed: one from before
-    the packed grouped-query attention (no record: transformers' repeat_kv made multi-token verifies dearer) or
-    before the cold-weight linear choice (one-row steps on a one-core GEMV) misprices steps and trees. On this
+    """Profiles record the attention implementation, the few-row linear kernels and the KV cache they timed: one
+    from before the packed grouped-query attention (no record: transformers' repeat_kv made multi-token verifies
+    dearer), before the cold-weight linear choice (one-row steps on a one-core GEMV) or before the in-place cache
+    (every forward copied the whole cache) misprices steps and trees. On this
     machine it is skipped, with a warning, and measured again; another device's keeps a warning."""
     import logging
 
@@ -677,9 +678,11 @@ def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tm
     data = json.loads(Path(assets["profile"]).read_text())
     assert data["versions"]["attention"] == target.attention_kernels()  # recorded when measured
     assert data["versions"]["linear"] == linear_kernels()
+    assert data["versions"]["kv_cache"] == target.kv_cache() == "roomy"
     assert stale_kernels(Profile.from_json(data), target) is None
     del data["versions"][kernel]
-    said = "older tree attention" if kernel == "attention" else "older few-row linear kernels"
+    said = {"attention": "older tree attention", "linear": "older few-row linear kernels",
+            "kv_cache": "older KV cache"}[kernel]
     assert said in stale_kernels(Profile.from_json(data), target)
     stored = tmp_path / "stored"
     stored.mkdir()
@@ -709,7 +712,8 @@ def test_the_cpu_attention_kernel_makes_cpu_profiles_stale_not_gpu_ones():
     from decode.runtime.small_rows import linear_kernels
 
     cpu = SimpleNamespace(predicted=False, device={"kind": "cpu"}, runtime="eager",
-                          versions={"attention": plain, "linear": linear_kernels(), "draft_weights": cpu_format()})
+                          versions={"attention": plain, "linear": linear_kernels(), "draft_weights": cpu_format(),
+                                    "kv_cache": target.kv_cache()})
     assert "tree attention" in stale_kernels(cpu, target)
     cpu.versions["attention"] = target.attention_kernels()
     assert stale_kernels(cpu, target) is None

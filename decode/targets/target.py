@@ -33,6 +33,8 @@ from decode.prompt import Prompt, build_prompt
 from decode.targets.capture import capture_hidden
 from decode.targets.compat import cache_kwargs
 from decode.targets.families import FamilySpec
+from decode.targets.kv_cache import kind as kv_cache_kind
+from decode.targets.kv_cache import roomy_cache
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,12 @@ class TargetModel:
                   and native_attention.available())
         return f"{impl}+native" if native else impl
 
+    def kv_cache(self) -> str:
+        """What holds its KV cache while decoding: "static" (the compiled runtime's preallocated buffers) or "roomy"
+        (eager: decode/targets/kv_cache.py, appends in place; "dynamic" where that is switched off). CPU profiles
+        record it: a step's cost depends on it."""
+        return "static" if self.runtime == "compiled" else kv_cache_kind()
+
     @property
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -210,8 +218,10 @@ class TargetModel:
         """Run the whole prompt (image included) through the full model; start a fresh cache. reserve: positions
         the generation will add after the prompt (answer + its largest tree), for which the compiled runtime
         sizes its static cache (decode/runtime/compiled.py; None: its default room)."""
-        # no config: every layer a plain full-length DynamicLayer; the compiled runtime copies it into its static cache
-        self.cache = DynamicCache()
+        # no config: every layer a plain full-length one; the compiled runtime copies it into its static cache, the
+        # eager one keeps it with room for what the generation adds (RoomyLayer: appends in place, no torch.cat of the
+        # whole cache per forward)
+        self.cache = DynamicCache() if self.runtime == "compiled" else roomy_cache(reserve)
         self._tree = None
         if self.spec.mrope:
             self.model.model.rope_deltas = None  # stale deltas from an earlier prompt must not leak in
