@@ -74,7 +74,7 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
     if profile.predicted:
         return None
     cpu = profile.device.get("kind") == "cpu"
-    # the native attention kernel ("+native") is a CPU kernel: a GPU profile read on a CPU host compares the rest
+    # the native attention kernel ("+native2") is a CPU kernel: a GPU profile read on a CPU host compares the rest
     attention = target.attention_kernels() if cpu else target.model.config._attn_implementation
     checks = [("attention", attention, "tree attention", "verify costs differ")]
     if cpu:

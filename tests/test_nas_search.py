@@ -704,7 +704,7 @@ def test_the_cpu_attention_kernel_makes_cpu_profiles_stale_not_gpu_ones():
     from nas.hardware import stale_kernels
 
     target = tiny_target(TARGET)
-    assert target.attention_kernels().endswith("+native")  # a CPU float32 target with the kernels built
+    assert target.attention_kernels().endswith("+native2")  # a CPU float32 target with the kernels built
     plain = target.model.config._attn_implementation
     gpu = SimpleNamespace(predicted=False, device={"kind": "cuda"}, versions={"attention": plain}, runtime="eager")
     assert stale_kernels(gpu, target) is None
