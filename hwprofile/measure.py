@@ -12,6 +12,7 @@ import torch
 
 from decode.benchio import command_line
 from decode.drafts.pack import cpu_format
+from decode.runtime import native_attention
 from decode.runtime.compiled import compile_tag
 from decode.runtime.small_rows import linear_kernels
 from decode.space import SearchSpace
@@ -97,7 +98,7 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
         # nas.hardware checks these: a stored profile measured with other kernels (or draft weights) is measured again
         versions=versions(info) | {"attention": target.attention_kernels(), "linear": linear_kernels(),
                                    "draft_weights": cpu_format() if target.device.type == "cpu" else "model",
-                                   "kv_cache": target.kv_cache()}
+                                   "kv_cache": target.kv_cache(), "attention_kernel": native_attention.VERSION}
         | ({"compiled": compile_tag(target.device.type)} if target.runtime == "compiled" else {}),
         dtype=str(target.dtype).removeprefix("torch."), runtime=target.runtime,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), command=command_line(),

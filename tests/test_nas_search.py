@@ -661,15 +661,15 @@ def test_lookup_rows_are_picked_again_over_their_grid_on_the_whole_set():
     assert lookup_grids() == {"prompt lookup": LOOKUP_ALONE_GRID}  # no corpus: no corpus row to pick
 
 
-@pytest.mark.parametrize("kernel", ["attention", "linear", "kv_cache"])
+@pytest.mark.parametrize("kernel", ["attention", "linear"])
 def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tmp_path, caplog, kernel):
-    """Profiles record the attention implementation, the few-row linear kernels and the KV cache they timed: one
-    from before the packed grouped-query attention (no record: transformers' repeat_kv made multi-token verifies
-    dearer), before the cold-weight linear choice (one-row steps on a one-core GEMV) or before the in-place cache
-    (every forward copied the whole cache) misprices steps and trees. On this
+    """Profiles record the attention implementation and the few-row linear kernels they timed: one from before
+    the packed grouped-query attention (no record: transformers' repeat_kv made multi-token verifies dearer) or
+    before the cold-weight linear choice (one-row steps on a one-core GEMV) misprices steps and trees. On this
     machine it is skipped, with a warning, and measured again; another device's keeps a warning."""
     import logging
 
+    from decode.runtime import native_attention
     from decode.runtime.small_rows import linear_kernels
     from hwprofile.schema import Profile
     from nas.hardware import resolve_profile, stale_kernels
@@ -678,11 +678,11 @@ def test_a_stored_profile_measured_with_old_kernels_is_measured_again(assets, tm
     data = json.loads(Path(assets["profile"]).read_text())
     assert data["versions"]["attention"] == target.attention_kernels()  # recorded when measured
     assert data["versions"]["linear"] == linear_kernels()
-    assert data["versions"]["kv_cache"] == target.kv_cache() == "roomy"
+    assert data["versions"]["kv_cache"] == target.kv_cache() == "roomy"  # recorded, not checked (see stale_kernels)
+    assert data["versions"]["attention_kernel"] == native_attention.VERSION
     assert stale_kernels(Profile.from_json(data), target) is None
     del data["versions"][kernel]
-    said = {"attention": "older tree attention", "linear": "older few-row linear kernels",
-            "kv_cache": "older KV cache"}[kernel]
+    said = "older tree attention" if kernel == "attention" else "older few-row linear kernels"
     assert said in stale_kernels(Profile.from_json(data), target)
     stored = tmp_path / "stored"
     stored.mkdir()
@@ -704,7 +704,7 @@ def test_the_cpu_attention_kernel_makes_cpu_profiles_stale_not_gpu_ones():
     from nas.hardware import stale_kernels
 
     target = tiny_target(TARGET)
-    assert target.attention_kernels().endswith("+native2")  # a CPU float32 target with the kernels built
+    assert target.attention_kernels().endswith("+native")  # a CPU float32 target with the kernels built
     plain = target.model.config._attn_implementation
     gpu = SimpleNamespace(predicted=False, device={"kind": "cuda"}, versions={"attention": plain}, runtime="eager")
     assert stale_kernels(gpu, target) is None
@@ -712,8 +712,7 @@ def test_the_cpu_attention_kernel_makes_cpu_profiles_stale_not_gpu_ones():
     from decode.runtime.small_rows import linear_kernels
 
     cpu = SimpleNamespace(predicted=False, device={"kind": "cpu"}, runtime="eager",
-                          versions={"attention": plain, "linear": linear_kernels(), "draft_weights": cpu_format(),
-                                    "kv_cache": target.kv_cache()})
+                          versions={"attention": plain, "linear": linear_kernels(), "draft_weights": cpu_format()})
     assert "tree attention" in stale_kernels(cpu, target)
     cpu.versions["attention"] = target.attention_kernels()
     assert stale_kernels(cpu, target) is None

@@ -25,8 +25,8 @@ from decode.runtime import native_rows
 
 ENV = "VLM_DRAFT_NAS_NATIVE_ATTENTION"  # "off" (or 0): aten's attention for every call
 MAX_QUERIES = 64  # query tokens per call: decoding steps and tree verifications; a prefill goes to aten
-# how the kernel computes (attention_kernel.cpp); profiles record it with the attention implementation, as their step
-# and verify costs depend on it. 2: scores LANES keys at a time (vsum_many), values key by key over several slices
+# how the kernel computes (attention_kernel.cpp), recorded in profiles. 2: scores LANES keys at a time (vsum_many),
+# values key by key over several output slices
 VERSION = "native2"
 
 

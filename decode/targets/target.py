@@ -146,7 +146,7 @@ class TargetModel:
         return self.spec.is_vlm
 
     def attention_kernels(self) -> str:
-        """What its decoding attention runs: the attention implementation, "+native2" where steps and trees take the
+        """What its decoding attention runs: the attention implementation, "+native" where steps and trees take the
         native kernel (a CPU target in float32: decode/runtime/native_attention.py). Profiles record it: their step
         and verify costs depend on it."""
         from decode.runtime import native_attention
@@ -155,7 +155,7 @@ class TargetModel:
         impl = self.model.config._attn_implementation
         native = (impl == PACKED_SDPA and self.device.type == "cpu" and self.dtype == torch.float32
                   and native_attention.available())
-        return f"{impl}+{native_attention.VERSION}" if native else impl
+        return f"{impl}+native" if native else impl
 
     def kv_cache(self) -> str:
         """What holds its KV cache while decoding: "static" (the compiled runtime's preallocated buffers) or "roomy"
