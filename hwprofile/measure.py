@@ -95,7 +95,8 @@ def _measure(cfg: ProfileConfig, target: TargetModel, progress: bool, t0: float,
     tables["overhead"], notes = measure_overhead(target, space, grids, timer, tables["scorer"], progress)
     profile = Profile(
         hardware=info.hardware, predicted=False, device=info.to_dict(),
-        # nas.hardware checks these: a stored profile measured with other kernels (or draft weights) is measured again
+        # nas.hardware.stale_kernels checks attention, linear, draft_weights (and compiled): a stored profile measured
+        # with others is measured again; kv_cache and attention_kernel are recorded for the record
         versions=versions(info) | {"attention": target.attention_kernels(), "linear": linear_kernels(),
                                    "draft_weights": cpu_format() if target.device.type == "cpu" else "model",
                                    "kv_cache": target.kv_cache(), "attention_kernel": native_attention.VERSION}

@@ -71,8 +71,8 @@ def stale_kernels(profile: Profile, target: TargetModel) -> str | None:
     before single-threaded CPU inductor kernels record none). None when all match or the profile is predicted.
     Recorded but not checked: the eager KV cache ("kv_cache") and the attention kernel's version ("attention_kernel"):
     the in-place cache and the second attention kernel moved a step and a 2-8 token verify of the default target by
-    1-4% at the contexts profiled (benchmarks/MEASUREMENTS.md, thirteenth session), inside a measured profile's own
-    noise, and the stored profile still validated within its MAPE."""
+    2-11% in one process and not measurably on the bench (benchmarks/MEASUREMENTS.md, thirteenth session), within a
+    measured profile's own hour-to-hour noise on the VM that measured them."""
     if profile.predicted:
         return None
     cpu = profile.device.get("kind") == "cpu"

@@ -70,17 +70,17 @@ struct Row {
 // (16 of the 32 AVX-512 ones; 8 of the 16 AVX2 ones).
 static const int64_t SLICES = LANES == 16 ? 4 : 2;
 
-// One pass over the keys in order for NS output slices from column d0 (v already offset to it; the last slice only
-// `tail` floats wide when tail > 0): out[r][d0 ...] = sum_j s_r[j] v[j] / total[r], the sum one fused multiply-add per
-// key in key order; first: total[r] += s_r[j] key by key as well (the pass that computes the denominator).
+// One pass over the keys in order for NS output slices from column d0 (the last slice only `tail` floats wide when
+// tail > 0): out[r][d0 ...] = sum_j s_r[j] v[j] / total[r], the sum one fused multiply-add per
+// key in key order; in the first pass (d0 = 0) also total[r] += s_r[j], key by key.
 template <int C, int NS>
-static void weigh(const Row* rows, const float* v, const Shapes& a, int64_t tail, bool first, float* total,
-                  int64_t d0) {
+static void weigh(const Row* rows, const float* v, const Shapes& a, int64_t d0, int64_t tail, float* total) {
+    const bool first = d0 == 0;
     vec acc[C][NS];
     for (int r = 0; r < C; ++r)
         for (int x = 0; x < NS; ++x) acc[r][x] = vzero();
     for (int64_t j = 0; j < a.K; ++j) {
-        const float* vj = v + j * a.vs_k;
+        const float* vj = v + j * a.vs_k + d0;
         vec vv[NS];
         for (int x = 0; x < NS; ++x)
             vv[x] = (x == NS - 1 && tail) ? vload_tail(vj + x * LANES, tail) : vload(vj + x * LANES);
@@ -148,11 +148,11 @@ static void attend_group(const Row* rows, const float* k, const float* v, const 
         const int64_t width = a.Dv - d0 < SLICES * LANES ? a.Dv - d0 : SLICES * LANES;
         const int64_t slices = (width + LANES - 1) / LANES, tail = width % LANES;  // the last slice tail floats wide
         switch (slices) {  // a constant count: the accumulators stay in registers
-            case 1: weigh<C, 1>(rows, v + d0, a, tail, d0 == 0, total, d0); break;
-            case 2: weigh<C, 2>(rows, v + d0, a, tail, d0 == 0, total, d0); break;
+            case 1: weigh<C, 1>(rows, v, a, d0, tail, total); break;
+            case 2: weigh<C, 2>(rows, v, a, d0, tail, total); break;
 #if defined(__AVX512F__)
-            case 3: weigh<C, 3>(rows, v + d0, a, tail, d0 == 0, total, d0); break;
-            default: weigh<C, 4>(rows, v + d0, a, tail, d0 == 0, total, d0); break;
+            case 3: weigh<C, 3>(rows, v, a, d0, tail, total); break;
+            default: weigh<C, 4>(rows, v, a, d0, tail, total); break;
 #endif
         }
     }

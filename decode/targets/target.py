@@ -159,7 +159,7 @@ class TargetModel:
 
     def kv_cache(self) -> str:
         """What holds its KV cache while decoding: "static" (the compiled runtime's preallocated buffers) or "roomy"
-        (eager: decode/targets/kv_cache.py, appends in place; "dynamic" where that is switched off). CPU profiles
+        (eager: decode/targets/kv_cache.py, appends in place; "dynamic" where that is switched off). Profiles
         record it: a step's cost depends on it."""
         return "static" if self.runtime == "compiled" else kv_cache_kind()
 
