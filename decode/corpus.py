@@ -37,13 +37,29 @@ MIN_COUNT = 2
 OWN_WEIGHT = 8
 
 
+def train_answer_items(cache_dir: Path | None = None) -> list:
+    """The train-split ShareGPT prompts (PromptItem) that have an answer, in file order."""
+    from decode.datasets import load_sharegpt, sharegpt_split_of
+
+    split = sharegpt_split_of(cache_dir)
+    return [it for it in load_sharegpt(cache_dir) if split(it.id) == "train" and it.answer]
+
+
+def train_answer_count(cache_dir: Path | None = None) -> int:
+    """How many ShareGPT train answers a corpus of all of them counts (its first source's label)."""
+    return len(train_answer_items(cache_dir))
+
+
+def sharegpt_label(n: int) -> str:
+    """The corpus source label of n ShareGPT train answers."""
+    return f"sharegpt train answers ({n})"
+
+
 def sharegpt_answers(tokenizer, n: int | None, cache_dir: Path | None = None, max_chars: int = 4000) -> list[list[int]]:
     """Token ids of the answers of the first n (None: all) train-split ShareGPT conversations."""
     from tqdm import tqdm
 
-    from decode.datasets import load_sharegpt, split_of
-
-    items = [it for it in load_sharegpt(cache_dir) if split_of(it.id) == "train" and it.answer]
+    items = train_answer_items(cache_dir)
     items = items if n is None else items[:n]
     return [tokenizer(it.answer[:max_chars], add_special_tokens=False)["input_ids"]
             for it in tqdm(items, desc="tokenising ShareGPT answers", unit="answer", leave=False)]
@@ -130,7 +146,7 @@ def build_corpus(target, sharegpt: int | None = None, data: list[Path] | tuple =
     if sharegpt != 0:
         seqs += sharegpt_answers(target.tokenizer, sharegpt, cache_dir)
         weights += [1] * len(seqs)
-        sources.append(f"sharegpt train answers ({len(seqs)})")
+        sources.append(sharegpt_label(len(seqs)))
     for folder in data:
         more, w = data_items(folder), data_weight(folder, own_weight)
         seqs += more

@@ -45,7 +45,7 @@ import numpy as np
 from decode.arch import DraftArch, max_tree_nodes
 from decode.drafts.corpus import NgramCorpus
 from decode.drafts.merged import RULES, leaf_chains
-from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, lookup_trie, trie
+from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, lookup_nodes, trie
 from hwprofile.latency import LatencyModel
 from nas.acceptance import Acceptance
 from nas.treesweep import Expansion, TreeSweep
@@ -159,9 +159,8 @@ def lookup_roots(seq: dict, spec: LookupSpec, branches: list[list[list[int]]] | 
         raise ValueError("a lookup spec with corpus_depth > 0 needs the corpus branches")
     out = []
     for r in range(p, len(ids) - 1):
-        tree = lookup_trie(index, ids[r], spec, spec.tree, spec.top_k,
-                           branches=branches[r - p] if spec.corpus_depth else None)
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        tokens, parents, _ = lookup_nodes(index, ids[r], spec, spec.tree, spec.top_k,
+                                          branches=branches[r - p] if spec.corpus_depth else None)
         node, d = 0, 0
         while r + d + 1 < len(cont):
             nxt = next((c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == cont[r + d + 1]), None)
@@ -413,8 +412,9 @@ class KindScorer:
 
     def exit_argmax(self, k: int) -> list[list[int]]:
         """Per sequence, the layer-skip:K proposal after each position (argmax of the early-exit logits)."""
-        if k not in self._exits:
-            self._exits[k] = [self.early_exit.head(s["hidden"][k]).argmax(-1).tolist() for s in self.seqs]
+        if k not in self._exits:  # the replay reads positions from the prompt's end on: the head skips the prompt
+            self._exits[k] = [[-1] * p + self.early_exit.head(s["hidden"][k][p:]).argmax(-1).tolist()
+                              for s, (p, _) in zip(self.seqs, self.bounds)]
         return self._exits[k]
 
     def replay_layerskip(self, k: int, depth: int, max_new_tokens: int | None = None) -> Replay:

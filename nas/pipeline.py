@@ -98,8 +98,10 @@ def _data_config(cfg: PipelineConfig, out: Path, **overrides):
 
 
 def _complete(out: Path, config=None) -> bool:
-    """A finished data folder; with `config` (a DataConfig), one built with the same prompts, mode and lengths,
-    else it is removed (a cache made before the scale changed) and False."""
+    """A finished data folder; with `config` (a DataConfig), one built with the same prompts, mode and lengths.
+    After a change of prompts only it is False and the folder stays: supernet.data keeps each shard that holds the
+    prompts asked for at its place (a list that grew at its end keeps every full shard before the change); after any
+    other change the folder is removed (a cache made before the scale changed) and False."""
     from supernet.dataset import read_manifest
 
     manifest = read_manifest(out)
@@ -109,6 +111,11 @@ def _complete(out: Path, config=None) -> bool:
         have = manifest.get("config", {})
         keys = ("prompts", "mode", "max_len", "max_new_tokens", "max_prompt_chars", "min_answer")
         changed = [k for k in keys if k in have and have[k] != getattr(config, k)]
+        if changed and set(changed) <= {"prompts", "max_prompt_chars"}:
+            logger.warning("%s was built for other prompts than the scale's now (%s); building the shards whose "
+                           "prompts changed", out,
+                           ", ".join(f"{k} {have[k]!r} -> {getattr(config, k)!r}" for k in changed))
+            return False
         if changed:
             logger.warning("%s was built with other settings than the scale's now (%s); building it again", out,
                            ", ".join(f"{k} {have[k]!r} -> {getattr(config, k)!r}" for k in changed))
@@ -221,8 +228,15 @@ def corpus_stage(cfg: PipelineConfig, target: TargetModel, data: list[Path] | tu
     """run_dir/corpus.safetensors: the n-gram corpus of corpus lookup (decode/drafts/corpus.py) from every train-split
     ShareGPT answer and every position of the feature-data folders `data` with the target's own next token there (the
     training data, answers_stage's answers); 20-40 s on 2 cores. Rebuilt when its sources differ (other folders, a
-    folder holding other sequences now, a corpus of an older format)."""
-    from decode.corpus import build_corpus, data_weight, source_label, source_sequences
+    folder holding other sequences now, another number of train answers, a corpus of an older format)."""
+    from decode.corpus import (
+        build_corpus,
+        data_weight,
+        sharegpt_label,
+        source_label,
+        source_sequences,
+        train_answer_count,
+    )
     from decode.drafts.corpus import NgramCorpus
 
     out = cfg.run_dir / "corpus.safetensors"
@@ -230,8 +244,12 @@ def corpus_stage(cfg: PipelineConfig, target: TargetModel, data: list[Path] | tu
         if out.is_file():  # its sources: "sharegpt train answers (N)", then "<folder> (N sequences[ xW])" per folder
             have = NgramCorpus.read_info(out).sources  # (older corpora said "(N answers)": answers only, no runner-up;
             # or counted the target's own answers once); a folder that holds other sequences now (an answers stage
-            # that went on, or was answered again) makes it stale too
-            if list(have[1:]) == [source_label(d, source_sequences(d), data_weight(d)) for d in data]:
+            # that went on, or was answered again), or a train split of another size (a corpus counted before the
+            # held-out reserve, decode.datasets.RESERVE_FROM), makes it stale too
+            cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+            want = [sharegpt_label(train_answer_count(cache)),
+                    *(source_label(d, source_sequences(d), data_weight(d)) for d in data)]
+            if list(have) == want:
                 logger.info("corpus stage: reusing %s", out)
                 return out
         logger.warning("corpus stage: counting n-grams of ShareGPT train answers%s -> %s",

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from decode.datasets import HELDOUT_PHOTOS, PromptItem, parse_prompt_spec
+from decode.datasets import HELDOUT_PHOTOS, RESERVE_FROM, PromptItem, parse_prompt_spec
 from decode.errors import UserError
 from decode.loop.vanilla import vanilla_generate
 from decode.prompt import PER_TOKEN, Prompt
@@ -406,12 +406,14 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
             "fingerprint": f"{fp['config_hash']}:{fp['weights_digest']}"}
     groups = [items[i: i + config.shard_size] for i in range(0, len(items), config.shard_size)]  # fixed assignment
     shards = _plan_shards(out, groups, meta["content"], meta["fingerprint"])
+    for extra in sorted(set(out.glob("shard-*.safetensors")) - {out / s["file"] for s in shards}):
+        extra.unlink()  # the prompt list got shorter: a shard past its end holds prompts no longer asked for
     manifest = {"format": FORMAT, "config": asdict(config), "content": content,
                 "target": {"name": target.name, "fingerprint": fp, "dtype": content["dtype"], "is_vlm": target.is_vlm,
                            "image_token_id": target.image_token_id},
                 "layers": list(layers), "entropy": entropy,
                 "split": {"split": config.split, "rule": "decode.datasets.split_of", "heldout_fraction": 0.02,
-                          "heldout_photos": list(HELDOUT_PHOTOS)},
+                          "reserve_from": RESERVE_FROM, "heldout_photos": list(HELDOUT_PHOTOS)},
                 "shards": shards, "complete": False, "environment": environment(target.device),
                 "runs": (old or {}).get("runs", [])}
     write_json_atomic(out / MANIFEST, manifest)

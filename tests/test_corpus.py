@@ -267,7 +267,8 @@ def test_the_targets_own_answers_count_own_weight_times(tmp_path):
 
 def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_they_change(tmp_path, monkeypatch):
     """nas.pipeline.corpus_stage: ShareGPT answers + the distilled positions of the given data folders; reused while
-    its sources are the same, rebuilt when a folder joins or the file predates distilled sources."""
+    its sources are the same, rebuilt when a folder joins, the train split's answers change in number or the file
+    predates distilled sources."""
     from safetensors.torch import save_file
 
     import decode.corpus as corpus_cli
@@ -276,6 +277,7 @@ def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_the
 
     target = tiny_target("tiny-llama")
     monkeypatch.setattr(corpus_cli, "sharegpt_answers", lambda tokenizer, n, cache_dir=None: [[1, 2, 3, 4]] * 3)
+    monkeypatch.setattr(corpus_cli, "train_answer_count", lambda cache_dir=None: 3)
     data = tmp_path / "data"
     data.mkdir()
     topk = torch.tensor([[2], [7], [8], [9], [0]])  # the "target" predicted 7 after "1 2" where the text has 3
@@ -291,6 +293,13 @@ def test_the_pipeline_corpus_stage_counts_its_data_folders_and_rebuilds_when_the
     assert info.sources[1] == f"{data} (1 sequences)" and info.min_count == 2
     back = NgramCorpus.load(out)
     assert back.next_of([5, 1, 2]) == 3 and back.runner_up([5, 1, 2]) == 7  # 3 three times (ShareGPT), 7 once
+    stamp = out.stat().st_mtime_ns
+    assert corpus_stage(cfg, target, [data]) == out and out.stat().st_mtime_ns == stamp
+    # the train split holds another number of answers now (e.g. a corpus counted before the held-out reserve): rebuilt
+    monkeypatch.setattr(corpus_cli, "train_answer_count", lambda cache_dir=None: 2)
+    monkeypatch.setattr(corpus_cli, "sharegpt_answers", lambda tokenizer, n, cache_dir=None: [[1, 2, 3, 4]] * 2)
+    corpus_stage(cfg, target, [data])
+    assert NgramCorpus.read_info(out).sources[0] == "sharegpt train answers (2)" and out.stat().st_mtime_ns != stamp
     stamp = out.stat().st_mtime_ns
     assert corpus_stage(cfg, target, [data]) == out and out.stat().st_mtime_ns == stamp
     # a corpus of the answers-only kind (its sources say "(N answers)") is built again
@@ -317,6 +326,7 @@ def test_the_pipeline_corpus_stage_is_rebuilt_when_an_answers_folder_holds_other
 
     target = tiny_target("tiny-llama")
     monkeypatch.setattr(corpus_cli, "sharegpt_answers", lambda tokenizer, n, cache_dir=None: [[1, 2, 3, 4]] * 3)
+    monkeypatch.setattr(corpus_cli, "train_answer_count", lambda cache_dir=None: 3)
     answers = tmp_path / "answers"
     answers.mkdir()
     save_file({"tokens": torch.tensor([5, 6, 7, 5, 6, 8], dtype=torch.int32), "offsets": torch.tensor([0, 3, 6])},

@@ -85,8 +85,9 @@ def test_split_is_deterministic_disjoint_and_sized():
     held = sharegpt_prompts("heldout", max_chars=None)
     train = sharegpt_prompts("train", max_chars=None)
     assert {p.id for p in held}.isdisjoint(p.id for p in train) and len(held) + len(train) == len(items)
-    assert 0.01 < len(held) / len(items) < 0.03
-    assert all(split_of(p.id) == "heldout" for p in held)
+    assert 0.02 < len(held) / len(items) < 0.04  # the base split's 2% of conversations + the reserve
+    split = datasets.sharegpt_split_of()
+    assert all(split(p.id) == "heldout" for p in held) and all(split(p.id) == "train" for p in train)
     assert split_of("sharegpt:QWJhYvA_0") == split_of("QWJhYvA_0") == split_of("QWJhYvA_7")  # parts stay together
     assert sum(split_of(f"x{i}", 0.5) == "heldout" for i in range(2000)) in range(900, 1100)
     assert split_of("anything", 0.0) == "train" and split_of("anything", 1.0) == "heldout"
@@ -169,11 +170,12 @@ def test_chat_prompts_are_later_turns_of_heldout_conversations_after_their_histo
     """chat:N: a later user message of a held-out conversation part with the exchange before it; at most CHAT_TURNS
     per part (first picks first), held-out only, in a stable order, each message within max_chars."""
     chats = datasets.chat_prompts("heldout", max_chars=600)
-    assert len(chats) > 200 and chats == datasets.chat_prompts("heldout", max_chars=600)  # 247 on ShareGPT V3
+    assert len(chats) > 300 and chats == datasets.chat_prompts("heldout", max_chars=600)  # 399 on ShareGPT V3
     parts = [p.id.split(":")[1] for p in chats]
     firsts = len(set(parts))  # every part's first pick comes before any second one
     assert len(set(parts[:firsts])) == firsts and max(parts.count(x) for x in parts) == datasets.CHAT_TURNS
-    assert all(p.id.startswith("chat:") and split_of(p.id) == "heldout" for p in chats)
+    split = datasets.sharegpt_split_of()
+    assert all(p.id.startswith("chat:") and split(p.id) == "heldout" for p in chats)
     assert all(0 < len(p.text) <= 600 and p.image is None and isinstance(p.answer, str) for p in chats)
     first = {p.id: p for p in load_sharegpt()}
     for p in chats[:20]:
@@ -213,3 +215,65 @@ def test_cache_keeps_later_turns_of_heldout_records_only(tmp_path, monkeypatch):
         assert [p.id for p in load_sharegpt(tmp_path)] == [f"sharegpt:{held}", f"sharegpt:{train}"]
     finally:
         datasets._load_cached.cache_clear()
+
+
+def _train_prompts_taken(preset: dict) -> int:
+    """How many train-split ShareGPT prompts a scale's stages take at most (data, fine-tuning data, answers: each
+    skips the prompts the ones before took, so their counts add up)."""
+    total = 0
+
+    def walk(node, key=""):
+        nonlocal total
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k != "heldout_data":
+                    walk(v, k)
+        elif key == "prompts":
+            total += sum(int(part.split(":")[1]) for part in str(node).split(",") if part.startswith("sharegpt:"))
+
+    walk(preset)
+    return total
+
+
+def test_the_reserve_widens_the_heldout_split_without_moving_any_scales_train_prompts():
+    """The reserve: train conversations (by the base split) every part of which sorts at RESERVE_FROM or later in the
+    train order. Held out, listed after the base split's held-out prompts (so earlier specs keep their prompts), and
+    past the largest train prefix any scale takes: every scale's training prompts are what they were without it."""
+    import pathlib
+
+    import yaml
+
+    reserve = datasets.reserve_conversations()
+    assert 100 <= len(reserve) <= 200  # 129 on ShareGPT V3
+    items = load_sharegpt()
+    base = [p for p in items if split_of(p.id) == "train" and len(p.text) <= 2000]
+    base.sort(key=lambda p: (datasets._unit(datasets._ORDER_SALT, p.id), p.id))
+    train = sharegpt_prompts("train")
+    moved = next(i for i, (a, b) in enumerate(zip(base, train)) if a.id != b.id)
+    assert len(base) - len(train) == sum(datasets.conversation_of(p.id) in reserve for p in base) > 0
+    scales = pathlib.Path(__file__).resolve().parents[1] / "configs" / "scale"
+    taken = {f.stem: _train_prompts_taken(yaml.safe_load(f.read_text())) for f in scales.glob("*.yaml")}
+    assert taken["cpu"] == 6480 and max(taken.values()) < moved, (taken, moved)  # cpu: 2000 + 480 + 4000
+    for conv in reserve:
+        assert split_of(conv) == "train" and split_of(conv, reserve=reserve) == "heldout"
+        assert all(datasets._unit(datasets._ORDER_SALT, p.id) >= datasets.RESERVE_FROM
+                   for p in items if datasets.conversation_of(p.id) == conv)
+    held = sharegpt_prompts("heldout", max_chars=600)
+    flags = [datasets.conversation_of(p.id) in reserve for p in held]
+    assert flags == sorted(flags) and 0 < sum(flags) < len(flags)  # the reserve's prompts come last
+    chats = datasets.chat_prompts("heldout", max_chars=600)
+    firsts = [datasets.conversation_of(p.id) in reserve for p in chats[:len({p.id.split(":")[1] for p in chats})]]
+    assert firsts == sorted(firsts) and any(firsts)  # first picks: the base split's, then the reserve's
+
+
+def test_reserve_of_takes_only_train_conversations_whose_every_part_sorts_late():
+    unit = lambda rid: datasets._unit(datasets._ORDER_SALT, f"sharegpt:{rid}")  # noqa: E731
+    late = [f"r{i}" for i in range(4000) if unit(f"r{i}_0") >= 0.9 and unit(f"r{i}_1") >= 0.9
+            and split_of(f"r{i}") == "train"][:1]
+    mixed = [f"m{i}" for i in range(4000)
+             if unit(f"m{i}_0") >= 0.9 > unit(f"m{i}_1") and split_of(f"m{i}") == "train"][:1]
+    held = [f"h{i}" for i in range(4000) if unit(f"h{i}_0") >= 0.9 and split_of(f"h{i}") == "heldout"][:1]
+    assert late and mixed and held
+    ids = [f"{c}_{k}" for c in late + mixed for k in (0, 1)] + [f"{held[0]}_0"]
+    assert datasets.reserve_of(ids, 0.9) == frozenset(late)
+    assert datasets.reserve_of(ids, 1.0) == frozenset()

@@ -228,6 +228,8 @@ def test_pipeline_retrains_a_cached_supernet_of_another_recipe(tmp_path, monkeyp
 
 
 def test_pipeline_rebuilds_a_cached_data_folder_made_with_other_prompts(tmp_path):
+    """Other prompts: built again, the folder kept (supernet.data keeps the shards whose prompts stay); other
+    settings: the folder removed."""
     from nas.pipeline import _complete
 
     out = tmp_path / "heldout"
@@ -236,7 +238,10 @@ def test_pipeline_rebuilds_a_cached_data_folder_made_with_other_prompts(tmp_path
     (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {"prompts": "sharegpt:12"}}))
     assert _complete(out, cfg) and out.is_dir()
     (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {"prompts": "sharegpt:8"}}))
-    assert not _complete(out, cfg) and not out.exists()  # removed: the stage builds it again
+    assert not _complete(out, cfg) and out.is_dir()  # the stage builds it again, over the shards that stay
+    (out / "manifest.json").write_text(json.dumps({"complete": True, "config": {"prompts": "sharegpt:8",
+                                                                                "mode": "regenerate"}}))
+    assert not _complete(out, cfg) and not out.exists()  # removed: the stage builds it anew
 
 
 def test_pipeline_builds_the_scales_own_answer_data_once(data_dir, tmp_path, monkeypatch):

@@ -146,6 +146,40 @@ def test_resume_rebuilds_only_missing_or_broken_shards(built, tmp_path, fake_pro
     assert read_manifest(out)["complete"] and len(FeatureData(out)) == 3
 
 
+def test_a_changed_prompt_list_keeps_the_shards_whose_prompts_stay(tmp_path, monkeypatch):
+    """More prompts: the shards holding the same prompts are kept as they are, the new ones built; fewer: the shards
+    past the list's end are deleted. The pipeline leaves a folder whose prompts changed to this (nas.pipeline._complete)
+    and removes one built with other settings."""
+    from nas.pipeline import _complete
+
+    items = [PromptItem(f"sharegpt:p{i}_0", f"Say something about {i}.", None, f"Something about {i}.")
+             for i in range(5)]
+    monkeypatch.setattr(data_mod, "parse_prompt_spec", lambda spec, split, max_chars, cache_dir: items[
+        :int(spec.split(":")[1])])
+    out = tmp_path / "data"
+    target = tiny_target("tiny-llama")
+    cfg = _config(out, target="tiny-llama", prompts="sharegpt:3", shard_size=2, max_len=40)
+    with single_thread():
+        build_data(cfg, target=target)
+        stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")}
+        assert sorted(stamps) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+        more = replace(cfg, prompts="sharegpt:5")
+        assert not _complete(out, more) and out.is_dir()  # prompts changed only: the folder stays
+        build_data(more, target=target)
+    now = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")}
+    assert len(now) == 3 and now["shard-00000.safetensors"] == stamps["shard-00000.safetensors"]  # kept
+    assert now["shard-00001.safetensors"] != stamps["shard-00001.safetensors"]  # p2 -> p2, p3: built again
+    assert [s["prompt_ids"] for s in read_manifest(out)["shards"]] == [[f"sharegpt:p{i}_0" for i in (0, 1)],
+                                                                       [f"sharegpt:p{i}_0" for i in (2, 3)],
+                                                                       ["sharegpt:p4_0"]]
+    assert len(FeatureData(out)) == 5
+    with single_thread():
+        build_data(replace(cfg, prompts="sharegpt:2"), target=target)
+    assert [p.name for p in out.glob("shard-*.safetensors")] == ["shard-00000.safetensors"]
+    assert len(FeatureData(out)) == 2
+    assert not _complete(out, replace(cfg, prompts="sharegpt:2", max_len=48)) and not out.exists()  # other settings
+
+
 def test_other_target_is_rejected(built, tmp_path, fake_prompts, capsys):
     other = tiny_target("tiny-llama")
     with pytest.raises(UserError, match="tiny-llava") as err:

@@ -96,6 +96,14 @@ class LookupSpec:
 def trie(root: int, conts: list[list[int]], total_tokens: int, extra: list[list[int]] = ()) -> DraftTree:
     """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes; the `extra`
     branches (the corpus's) are merged in after them, each with room of its own (at most its length in nodes more)."""
+    tokens, parents, depth = trie_nodes(root, conts, total_tokens, extra)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+
+
+def trie_nodes(root: int, conts: list[list[int]], total_tokens: int,
+               extra: list[list[int]] = ()) -> tuple[list[int], list[int], int]:
+    """trie's nodes as lists: (tokens, parents, depth of the deepest node); the search's replay reads these at
+    every root position of its held-out set, where building tensors took a third of the kinds table's time."""
     tokens, parents, depths = [root], [-1], [0]
     child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     cap = total_tokens
@@ -112,7 +120,7 @@ def trie(root: int, conts: list[list[int]], total_tokens: int, extra: list[list[
                 depths.append(depths[node] + 1)
                 child[(node, tok)] = len(tokens) - 1
             node = child[(node, tok)]
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=max(depths))
+    return tokens, parents, max(depths)
 
 
 class NgramIndex:
@@ -155,10 +163,18 @@ class NgramIndex:
 
 def lookup_trie(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,
                 corpus: "NgramCorpus | None" = None, branches: list[list[int]] | None = None) -> DraftTree:
-    """Lookup's proposal at `root` after the history `index` holds: the trie of up to `top_k` continuations (tree's
-    depth and node cap) and, with a corpus and spec.corpus_depth, the corpus's branches beside it (`branches`: those
-    computed already by NgramCorpus.branches, at least as deep as the spec asks). The one function both the draft and
-    the search's replay (nas/kinds.py) call, so the replay is exact."""
+    """Lookup's proposal at `root` after the history `index` holds (lookup_nodes) as a DraftTree."""
+    tokens, parents, depth = lookup_nodes(index, root, spec, tree, top_k, corpus, branches)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+
+
+def lookup_nodes(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,
+                 corpus: "NgramCorpus | None" = None,
+                 branches: list[list[int]] | None = None) -> tuple[list[int], list[int], int]:
+    """Lookup's proposal at `root` after the history `index` holds, as trie_nodes' lists: the trie of up to `top_k`
+    continuations (tree's depth and node cap) and, with a corpus and spec.corpus_depth, the corpus's branches beside
+    it (`branches`: those computed already by NgramCorpus.branches, at least as deep as the spec asks). The one
+    function both the draft (lookup_trie) and the search's replay (nas/kinds.py) call, so the replay is exact."""
     conts = index.continuations(root, tree.tree_depth, top_k, spec.weak_depth)
     extra: list[list[int]] = []
     if spec.corpus_depth and (branches is not None or corpus is not None):
@@ -166,7 +182,7 @@ def lookup_trie(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, 
             branches = corpus.branches(index.seq[-corpus.max_n:] + [root], spec.corpus_depth, spec.corpus_second)
         extra = [branches[0][: spec.corpus_depth]] + [b[: spec.corpus_second] for b in branches[1:2]
                                                       if spec.corpus_second]
-    return trie(root, conts, tree.total_tokens, extra)
+    return trie_nodes(root, conts, tree.total_tokens, extra)
 
 
 class PromptLookupDraft(Draft):
