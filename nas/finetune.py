@@ -26,7 +26,6 @@ supernet.train does. A scale's stage then costs at most that, whatever the chose
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -41,6 +40,7 @@ from decode.arch import DraftArch
 from supernet.checkpoint import STATE, load_optimizer, load_weights, read_state, recover, save_checkpoint
 from supernet.dataset import FeatureData
 from supernet.elastic import DraftSupernet
+from supernet.precision import autocast, autocast_dtype
 from supernet.train import adamw, run_progress
 from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
@@ -116,7 +116,8 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
                           max_positions=cfg.max_positions, loss=cfg.loss,
                           full_positions=cfg.full_positions)
     negatives = loss_negatives(data, cfg.negatives if cfg.loss == "topk" else 0, model.feat_fc.weight.device)
-    on_gpu = model.feat_fc.weight.device.type == "cuda"
+    device = model.feat_fc.weight.device
+    amp = autocast_dtype("auto", device)  # bf16 where the device multiplies it natively, as supernet.train
     losses: list[float] = []
     order: list[int] = []
     config = asdict(cfg)
@@ -152,7 +153,7 @@ def finetune_subnet(model: DraftSupernet, arch: DraftArch, data: FeatureData, id
         seq = data[order.pop()]
         for group in opt.param_groups:
             group["lr"] = finetune_lr(cfg, step, elapsed)
-        with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
+        with autocast(device, amp):
             loss, _ = subnet_losses(model, seq, loss_cfg, seed=cfg.seed * 1_000_003 + step, negatives=negatives)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

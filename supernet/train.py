@@ -14,14 +14,14 @@ multi-step unroll (supernet/unroll.py). Sequences without an answer position are
 --init-from-target starts the draft layers from the target's last decoder layer (decode/drafts/from_target.py);
 --time-budget-s stops after that much training time, counted across --resume (the checkpoint keeps the clock;
 the LR schedule then follows time, and a run stopped by its budget is finished). AdamW,
-linear warm-up then cosine decay, gradient clipping, fp32 on CPU / bf16 autocast on GPU, checkpoints every `ckpt_every` steps (resumable
+linear warm-up then cosine decay, gradient clipping, bf16 autocast where the hardware has bf16 units (--autocast;
+supernet/precision.py), checkpoints every `ckpt_every` steps (resumable
 exactly: the subnets and sequences of step s derive from (seed, s)), a CSV log, tqdm.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import logging
@@ -49,6 +49,7 @@ from supernet import checkpoint as ckpt
 from supernet.dataset import FeatureData
 from supernet.distributed import average_gradients, barrier, init_distributed, shutdown
 from supernet.elastic import DraftSupernet
+from supernet.precision import MODES, autocast, autocast_dtype
 from supernet.unroll import LossConfig, loss_negatives, subnet_losses
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class TrainConfig:
     init_fusion: bool = False  # with init_from_target: identity feat_fc and in_fc = [I, I]
     schedule: str = "sandwich"  # sandwich from step 0 | progressive: largest, then elastic depth, then everything
     threads: int = 0  # torch intra-op threads (0 = torch's default)
+    autocast: str = "auto"  # bf16 autocast: auto (where the GPU/CPU multiplies bf16 natively) | bf16 | off
     time_budget_s: float = 0.0  # > 0: stop after this much training wall-clock (the LR schedule follows time)
     seed: int = 0
     device: str = "auto"
@@ -117,7 +119,7 @@ def run_progress(step_fraction: float, elapsed_s: float, time_budget_s: float) -
 # TrainConfig fields that say where and how long a run trains, not what it learns: a cached checkpoint that
 # differs from a scale only in these is the same recipe (steps: a longer scale resumes it)
 RUN_FIELDS = frozenset({"target", "data", "out", "space", "scale", "steps", "ckpt_every", "val_sequences", "threads",
-                        "time_budget_s", "device", "dtype", "resume"})
+                        "time_budget_s", "device", "dtype", "resume", "autocast"})
 
 
 def recipe_changes(saved: dict, cfg: TrainConfig) -> list[str]:
@@ -247,7 +249,7 @@ def train(cfg: TrainConfig) -> Path:
         src = init_from_target(model, target, feature_layers=(-1,), fusion=cfg.init_fusion)
         model.reorder_by_importance()  # narrower subnets start from the target layer's most important heads/channels
         logger.info("draft layers start from target decoder layer %d", src)
-    model.float().train()  # fp32 master weights; bf16 autocast on GPU
+    model.float().train()  # fp32 master weights (the forward may autocast to bf16)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw(params, cfg.lr, cfg.weight_decay)
     start = 0
@@ -281,7 +283,8 @@ def train(cfg: TrainConfig) -> Path:
             kept = [r for r in csv.reader(f)]
         with log_file.open("w", newline="") as f:
             csv.writer(f).writerows([kept[0]] + [r for r in kept[1:] if r and int(r[0]) < start])
-    on_gpu = target.device.type == "cuda"
+    amp = autocast_dtype(cfg.autocast, target.device)  # None: fp32
+    logger.info("training computes in %s", "bf16 autocast" if amp is not None else "fp32")
     # the clock of a time budget (and of the LR schedule that follows it) goes on from the checkpoint's
     t0 = time.perf_counter() - (float(state.get("elapsed_s", 0.0)) if cfg.resume else 0.0)
     bar = tqdm(range(start, cfg.steps), desc="supernet", disable=not d.main, initial=start, total=cfg.steps)
@@ -301,7 +304,7 @@ def train(cfg: TrainConfig) -> Path:
             model.set_active(arch)
             agg: dict[str, float] = {}
             for i in seqs:
-                with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
+                with autocast(target.device, amp):
                     loss, stats = subnet_losses(model, data[i], loss_cfg, seed=step * 100_003 + i, negatives=negatives)
                 if loss.requires_grad:  # a sequence with no scored position (all prompt) adds nothing
                     (loss * count / (len(seqs) * len(roles))).backward()
@@ -395,6 +398,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UserError(f"--threads must be >= 0 (0: torch's default), got {cfg.threads}")
     if cfg.loss not in ("topk", "full"):
         raise UserError(f"--loss must be topk or full, got {cfg.loss!r}")
+    if cfg.autocast not in MODES:
+        raise UserError(f"--autocast must be one of {', '.join(MODES)}, got {cfg.autocast!r}")
     if cfg.schedule not in ("sandwich", "progressive"):
         raise UserError(f"--schedule must be sandwich or progressive, got {cfg.schedule!r}")
     return cfg

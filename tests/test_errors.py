@@ -142,7 +142,8 @@ def test_bad_device_and_infinite_temperature():
         SamplingConfig(temperature=float("inf"))
 
 
-@pytest.mark.parametrize("flag,value", [("--ckpt-every", "0"), ("--lr", "-1"), ("--threads", "-2")])
+@pytest.mark.parametrize("flag,value", [("--ckpt-every", "0"), ("--lr", "-1"), ("--threads", "-2"),
+                                        ("--autocast", "fp8")])
 def test_bad_training_flags(tmp_path, flag, value):
     from supernet.train import main as train_main
 

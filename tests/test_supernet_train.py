@@ -88,14 +88,43 @@ def test_sandwich_training_learns(data_dir, tmp_path):
         assert after[role]["kl0"] < 0.7 * before[role]["kl0"], (role, before[role], after[role])
 
 
-def test_resume_continues_exactly(data_dir, tmp_path):
-    train(_cfg(data_dir, tmp_path / "straight"))
-    train(_cfg(data_dir, tmp_path / "split", steps=3))
-    train(_cfg(data_dir, tmp_path / "split", resume=True))
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_resume_continues_exactly(data_dir, tmp_path, amp):
+    train(_cfg(data_dir, tmp_path / "straight", autocast=amp))
+    train(_cfg(data_dir, tmp_path / "split", steps=3, autocast=amp))
+    train(_cfg(data_dir, tmp_path / "split", resume=True, autocast=amp))
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
     a = load_file(str(tmp_path / "straight" / "checkpoint" / ckpt.MODEL))
     b = load_file(str(tmp_path / "split" / "checkpoint" / ckpt.MODEL))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_autocast_trains_what_fp32_trains_with_fp32_weights(data_dir, tmp_path):
+    train(_cfg(data_dir, tmp_path / "fp32", autocast="off"))
+    train(_cfg(data_dir, tmp_path / "bf16", autocast="bf16"))
+    fp32, bf16 = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
+    assert [r[:2] for r in fp32] == [r[:2] for r in bf16]  # the same steps and subnets
+    a, b = [float(r[2]) for r in fp32], [float(r[2]) for r in bf16]
+    assert a != b, "autocast=bf16 computed exactly what fp32 did: the forward is not autocast"
+    assert all(abs(x - y) <= 0.03 * abs(x) for x, y in zip(a, b)), (a, b)
+    w = load_file(str(tmp_path / "bf16" / "checkpoint" / ckpt.MODEL))
+    assert all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in w.values() if t.is_floating_point())
+
+
+def test_autocast_auto_follows_the_hardware(monkeypatch):
+    from supernet import precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision, "cpu_isa", lambda: "avx2,avx512f")
+    assert precision.autocast_dtype("auto", cpu) is None  # no bf16 units: emulated bf16 gains nothing
+    assert precision.autocast_dtype("bf16", cpu) == torch.bfloat16
+    for isa in ("avx2,avx512f,avx512_bf16", "avx2,avx512f,amx_tile"):
+        monkeypatch.setattr(precision, "cpu_isa", lambda isa=isa: isa)
+        assert precision.autocast_dtype("auto", cpu) == torch.bfloat16
+        assert precision.autocast_dtype("off", cpu) is None
+    assert precision.autocast_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    with pytest.raises(ValueError, match="autocast mode"):
+        precision.autocast_dtype("fp8", cpu)
 
 
 def test_resume_with_another_space_or_target_fails(data_dir, tmp_path):
