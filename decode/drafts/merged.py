@@ -73,7 +73,7 @@ def with_leaf_chains(tree: DraftTree, tokens: list[int], parents: list[int], cha
             parents.append(parent)
             parent = len(tokens) - 1
     depth = None if tree.depth is None else tree.depth + max(len(c) for c in chains.values())
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+    return DraftTree.of_lists(tokens, parents, depth)
 
 
 def rank_nodes(tree: DraftTree) -> list[int]:

@@ -31,8 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from decode.arch import TreeSpec
 from decode.drafts.base import Draft
 from decode.errors import UserError
@@ -96,8 +94,7 @@ class LookupSpec:
 def trie(root: int, conts: list[list[int]], total_tokens: int, extra: list[list[int]] = ()) -> DraftTree:
     """A trie rooted at `root` over the continuations (shared prefixes merged), at most total_tokens nodes; the `extra`
     branches (the corpus's) are merged in after them, each with room of its own (at most its length in nodes more)."""
-    tokens, parents, depth = trie_nodes(root, conts, total_tokens, extra)
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+    return DraftTree.of_lists(*trie_nodes(root, conts, total_tokens, extra))
 
 
 def trie_nodes(root: int, conts: list[list[int]], total_tokens: int,
@@ -164,8 +161,7 @@ class NgramIndex:
 def lookup_trie(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,
                 corpus: "NgramCorpus | None" = None, branches: list[list[int]] | None = None) -> DraftTree:
     """Lookup's proposal at `root` after the history `index` holds (lookup_nodes) as a DraftTree."""
-    tokens, parents, depth = lookup_nodes(index, root, spec, tree, top_k, corpus, branches)
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+    return DraftTree.of_lists(*lookup_nodes(index, root, spec, tree, top_k, corpus, branches))
 
 
 def lookup_nodes(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,

@@ -42,6 +42,11 @@ class DraftTree:
         if self.sampled and self.dists is None:
             raise ValueError("a sampled DraftTree needs the draft distributions")
 
+    @classmethod
+    def of_lists(cls, tokens: list[int], parents: list[int], depth: int | None = None) -> "DraftTree":
+        """A tree built on the host as lists (lookup tries, merged trees), on the CPU."""
+        return cls(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+
     def validate(self) -> "DraftTree":
         """Raise ValueError unless node 0 is the only root and parents come before children (reads the values)."""
         if int(self.parents[0]) != -1 or bool((self.parents[1:] < 0).any()):
@@ -291,4 +296,4 @@ def graft(base: DraftTree, extra: DraftTree) -> DraftTree:
     if len(tokens) == base.size:
         return base
     depth = None if base.depth is None or extra.depth is None else max(base.depth, extra.depth)
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), depth=depth)
+    return DraftTree.of_lists(tokens, parents, depth)
