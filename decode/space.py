@@ -160,6 +160,22 @@ class SearchSpace:
                           min(self.visual_keep), min(self.tree_depth), min(self.top_k), min(self.total_tokens),
                           entropy_layer)
 
+    def eagle_like(self, entropy_layer: int | None = None) -> DraftArch:
+        """The EAGLE-1/2 draft as far as the space allows: concat fusion over the last hidden state, one layer
+        of the largest heads/FFN, full vocabulary, every image token, a mid-sized tree (median choices). The
+        reference every search result is compared with, and a sandwich role of supernet training (eagle_role)."""
+        def median(values):
+            ordered = sorted(values)
+            return ordered[(len(ordered) - 1) // 2]
+        last = [s for s in self.feature_layers if tuple(s) == (-1,)]
+        depth = 1 if 1 in self.depth else min(self.depth)
+        return self._arch("concat" if "concat" in self.fusion else self.fusion[0],
+                          last[0] if last else self.feature_layers[0], depth,
+                          [max(self.heads)] * depth, [max(self.ffn)] * depth,
+                          None if None in self.draft_vocab else max(self.draft_vocab),
+                          1.0 if 1.0 in self.visual_keep else max(self.visual_keep),
+                          median(self.tree_depth), median(self.top_k), median(self.total_tokens), entropy_layer)
+
     def size(self) -> int:
         """Number of distinct archs (per-layer heads/ffn choices counted per depth)."""
         per_layer = len(self.heads) * len(self.ffn)

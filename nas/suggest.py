@@ -25,11 +25,6 @@ from decode.arch import DraftArch, max_tree_nodes
 from decode.space import SearchSpace
 
 
-def _median(values) -> object:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2]
-
-
 def params_to_arch(params: dict, space: SearchSpace, entropy_layer: int | None) -> DraftArch:
     """A complete parameter dict (as a trial holds it) -> its DraftArch."""
     depth = int(params["depth"])
@@ -110,21 +105,8 @@ def _resolvable(layer_set: tuple, entropy_layer: int | None) -> bool:
 
 
 def eagle_like(space: SearchSpace, entropy_layer: int | None) -> DraftArch:
-    """The EAGLE-1/2 draft as far as the space allows: concat fusion over the last hidden state, one layer
-    of the largest heads/FFN, full vocabulary, every image token, a mid-sized tree (median choices)."""
-    last = [i for i, s in enumerate(space.feature_layers) if tuple(s) == (-1,)]
-    p: dict = {
-        "fusion": "concat" if "concat" in space.fusion else space.fusion[0],
-        "feature_set": last[0] if last else 0,
-        "depth": 1 if 1 in space.depth else min(space.depth),
-        "draft_vocab": None if None in space.draft_vocab else max(space.draft_vocab),
-        "visual_keep": 1.0 if 1.0 in space.visual_keep else max(space.visual_keep),
-        "tree_depth": _median(space.tree_depth), "top_k": _median(space.top_k),
-        "total_tokens": _median(space.total_tokens),
-    }
-    for i in range(p["depth"]):
-        p[f"heads_{i}"], p[f"ffn_{i}"] = max(space.heads), max(space.ffn)
-    return params_to_arch(p, space, entropy_layer)
+    """The EAGLE-1/2 draft as far as the space allows (decode.space.SearchSpace.eagle_like)."""
+    return space.eagle_like(entropy_layer)
 
 
 def starting_archs(space: SearchSpace, entropy_layer: int | None) -> list[tuple[str, DraftArch]]:

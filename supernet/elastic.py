@@ -31,6 +31,7 @@ from decode.errors import UserError
 from decode.runtime.small_rows import linear
 from decode.space import SearchSpace
 from decode.targets.capture import normalize_layer
+from supernet.grad_slices import part, rows
 
 
 class _HeadSlice:
@@ -42,7 +43,7 @@ class _HeadSlice:
     def w(self, name: str) -> torch.Tensor:
         full = getattr(self, name).weight
         n = self.heads * self.head_dim
-        return full[:, :n] if name == "o_proj" else full[:n]
+        return part(full, (slice(None), slice(0, n)) if name == "o_proj" else (slice(0, n),))
 
 
 class ElasticSelfAttention(_HeadSlice, SelfAttention):
@@ -60,7 +61,7 @@ class ElasticSwiGLU(SwiGLU):
 
     def w(self, name: str) -> torch.Tensor:
         full = getattr(self, name).weight
-        return full[:, : self.width] if name == "down_proj" else full[: self.width]
+        return part(full, (slice(None), slice(0, self.width)) if name == "down_proj" else (slice(0, self.width),))
 
 
 class ElasticDraftLayer(DraftLayer):
@@ -153,14 +154,25 @@ class DraftSupernet(DraftModel):
 
     def project_features(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, F*H) features in the active arch's layer order -> (n, H) through its column blocks."""
-        w = self.feat_fc.weight[:, self._cols.to(self.feat_fc.weight.device)]
+        w = part(self.feat_fc.weight, self._cols)  # (H, F*H): the active layers' column blocks
         return linear(feats.to(w.dtype), w, self.feat_fc.bias)
 
     def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        vd = self.active.draft_vocab
-        if vd is None or vd >= self.dims.vocab_size:
+        if not self._own_active_head():
             return None
-        return self.head.weight[:vd], self.d2t[:vd]
+        vd = self.active.draft_vocab
+        return part(self.head.weight, (slice(0, vd),)), self.d2t[:vd]
+
+    def _own_active_head(self) -> bool:
+        vd = self.active.draft_vocab
+        return vd is not None and vd < self.dims.vocab_size
+
+    def gather_head(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the active head: from the hot-token head itself where the subnet drafts a reduced vocabulary (its
+        row ids index the leading draft_vocab rows), so that the backward adds into the head's gradient in place."""
+        if not self._own_active_head():  # the target's own (frozen) LM head
+            return weight[ids]
+        return rows(self.head.weight, ids)
 
     # ------------------------------------------------------------------ importance ordering
     @torch.no_grad()

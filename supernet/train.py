@@ -4,13 +4,13 @@
     torchrun --nproc_per_node=2 -m supernet.train --target tiny-llava --data DIR --space tiny --steps 20
 
 Each step trains the largest, the smallest and `n_random` random subnets (the same on every rank;
---schedule progressive: the largest alone for the first third of the steps, then elastic depth,
-then the full sandwich) on this rank's sequences. Losses: cross-entropy/KL to the target's
-next-token distribution at every answer position (--loss topk: a softmax over the target's stored
-top-k + --negatives frequent tokens, with --full-positions positions per sequence also scored over
-the whole vocabulary; --loss full: the whole vocabulary, --max-positions per sequence) + smooth-L1
-regression of the target's final feature (+ the entropy-layer feature where used), over a
-multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
+--schedule progressive: the largest alone for the first third of the steps, then elastic depth, then the
+full sandwich; --eagle-role adds the space's EAGLE-like default every step or every other step) on this
+rank's sequences. Losses: cross-entropy/KL to the target's next-token distribution at every answer
+position (--loss topk: a softmax over the target's stored top-k + --negatives frequent tokens, with
+--full-positions positions per sequence also scored over the whole vocabulary; --loss full: the whole
+vocabulary, --max-positions per sequence) + smooth-L1 regression of the target's final feature (+ the
+entropy-layer feature where used), over a multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
 --init-from-target starts the draft layers from the target's last decoder layer (decode/drafts/from_target.py);
 --time-budget-s stops after that much training time, counted across --resume (the checkpoint keeps the clock;
 the LR schedule then follows time, and a run stopped by its budget is finished). AdamW,
@@ -84,6 +84,11 @@ class TrainConfig:
     init_from_target: bool = False  # draft layers start as the target's last decoder layer (decode/drafts/from_target.py)
     init_fusion: bool = False  # with init_from_target: identity feat_fc and in_fc = [I, I]
     schedule: str = "sandwich"  # sandwich from step 0 | progressive: largest, then elastic depth, then everything
+    # the space's EAGLE-like default (decode.space.SearchSpace.eagle_like) as a sandwich role: off | extra (a fourth
+    # pass every step) | alternate (in place of the first random subnet on every other step). In the compact space it
+    # is neither the largest nor the smallest, so without it the reference every result is compared with trains only
+    # through the weights it shares with the others
+    eagle_role: str = "off"
     threads: int = 0  # torch intra-op threads (0 = torch's default)
     autocast: str = "auto"  # bf16 autocast: auto (where the GPU/CPU multiplies bf16 natively) | bf16 | off
     time_budget_s: float = 0.0  # > 0: stop after this much training wall-clock (the LR schedule follows time)
@@ -108,6 +113,9 @@ class TrainConfig:
             return self.lr * (step + 1) / self.warmup
         t = run_progress((step - self.warmup) / max(1, self.steps - self.warmup), elapsed_s, self.time_budget_s)
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+EAGLE_ROLES = ("off", "extra", "alternate")
 
 
 def run_progress(step_fraction: float, elapsed_s: float, time_budget_s: float) -> float:
@@ -181,7 +189,15 @@ def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig, elapsed_s: float
             out.append((f"depth{i}", replace(arch, heads=largest.heads[: arch.depth], ffn=largest.ffn[: arch.depth])))
         return out
     pairs = [("largest", largest), ("smallest", space.smallest(e))]
-    return pairs + [(f"random{i}", space.sample(rng, e)) for i in range(cfg.n_random)]
+    randoms = [(f"random{i}", space.sample(rng, e)) for i in range(cfg.n_random)]  # drawn alike in every mode
+    if cfg.eagle_role not in EAGLE_ROLES:
+        raise ValueError(f"eagle_role must be one of {EAGLE_ROLES}, got {cfg.eagle_role!r}")
+    eagle = [("eagle", space.eagle_like(e))]
+    if cfg.eagle_role == "extra":
+        return pairs + randoms + eagle
+    if cfg.eagle_role == "alternate" and step % 2 == 1:  # in place of the first random subnet
+        return pairs + randoms[1:] + eagle
+    return pairs + randoms
 
 
 def distinct_roles(roles: list[tuple[str, DraftArch]]) -> list[tuple[str, DraftArch, int]]:
@@ -402,6 +418,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UserError(f"--autocast must be one of {', '.join(MODES)}, got {cfg.autocast!r}")
     if cfg.schedule not in ("sandwich", "progressive"):
         raise UserError(f"--schedule must be sandwich or progressive, got {cfg.schedule!r}")
+    if cfg.eagle_role not in EAGLE_ROLES:
+        raise UserError(f"--eagle-role must be one of {', '.join(EAGLE_ROLES)}, got {cfg.eagle_role!r}")
     return cfg
 
 

@@ -271,6 +271,30 @@ def test_progressive_schedule_opens_depth_then_everything():
     assert sandwich(net, 3, timed, elapsed_s=80.0)[1][0] == "smallest"
 
 
+def test_eagle_role_trains_the_eagle_like_default_every_or_every_other_step():
+    """eagle_role puts the space's EAGLE-like default (neither its largest nor its smallest) into the sandwich: a
+    fourth pass every step (extra), or in place of the first random subnet on odd steps (alternate); the random
+    draws of the other roles stay those of the plain sandwich."""
+    from supernet.train import TrainConfig, build_parser, config_from_args, sandwich
+
+    target = tiny_target("tiny-llama")
+    net = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(target), 1)
+    eagle = net.space.eagle_like(1)
+    assert eagle not in (net.space.largest(1), net.space.smallest(1))
+    base = TrainConfig(target="t", data="d", out="o", n_random=2)
+    plain = [sandwich(net, s, base) for s in range(4)]
+    extra = [sandwich(net, s, replace(base, eagle_role="extra")) for s in range(4)]
+    alternate = [sandwich(net, s, replace(base, eagle_role="alternate")) for s in range(4)]
+    assert all(e == p + [("eagle", eagle)] for e, p in zip(extra, plain, strict=True))
+    assert alternate[0] == plain[0] and alternate[2] == plain[2]
+    for s in (1, 3):
+        assert alternate[s] == plain[s][:2] + plain[s][3:] + [("eagle", eagle)]
+    one_random = replace(base, n_random=0, eagle_role="alternate")  # no random subnet to replace: an extra pass
+    assert sandwich(net, 1, one_random)[-1] == ("eagle", eagle) and len(sandwich(net, 0, one_random)) == 2
+    with pytest.raises(UserError, match="--eagle-role must be one of off, extra, alternate"):
+        config_from_args(build_parser().parse_args(["--target", "t", "--data", "d", "--eagle-role", "always"]))
+
+
 def test_repeated_sandwich_networks_train_once_with_the_same_gradient():
     """A one-network space (largest = smallest = sample, as space eagle) used to run three identical forward and
     backward passes per step; distinct_roles merges them into one pass weighted by its count, which must give the

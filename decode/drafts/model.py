@@ -151,13 +151,19 @@ class DraftModel(nn.Module):
                 r = t2d[ids]
                 return r.clamp_min(0), r >= 0
         rk, vk = row_of(token_ids)
-        w = weight[rk]  # (n, K, H)
+        w = self.gather_head(weight, rk)  # (n, K, H)
         out = torch.einsum("nh,nkh->nk", z.to(w.dtype), w).float().masked_fill(~vk, -float("inf"))
         if shared_ids is not None and shared_ids.numel():
             rs, vs = row_of(shared_ids)
-            extra = F.linear(z.to(weight.dtype), weight[rs]).float().masked_fill(~vs[None, :], -float("inf"))
+            extra = F.linear(z.to(weight.dtype), self.gather_head(weight, rs)).float().masked_fill(~vs[None, :],
+                                                                                                  -float("inf"))
             out = torch.cat([out, extra], dim=1)  # (n, K + M)
         return out
+
+    def gather_head(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """weight[ids]: rows of the LM head in use (head_rows()'s, or the target's) for row ids of any shape. The
+        supernet overrides it to gather from its whole hot-token head with an in-place gradient."""
+        return weight[ids]
 
     def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(head weight (Vd, H), draft-to-target ids (Vd,)) of a hot-token head; None = the target's head.
