@@ -8,7 +8,8 @@
 
 A stored measured profile of this machine's hardware name is used only when it was measured on the same
 kind of machine (CPU model, cores and vector extensions; GPU product): "cpu" covers CPUs whose few-row
-kernels differ by 2x (decode.runtime.small_rows), so another machine's profile is skipped and this one measured;
+kernels differ by 2x (decode.runtime.small_rows), so another machine's profile is skipped (the next stored one,
+<hardware>-<target>@<tag>.json, is tried: stored_candidates) and, when none fits, this one measured;
 so is one whose draft tables were measured for a smaller search space than the search's (e.g. the stored CPU profile,
 made for the demo and cpu scales' `compact` space, for a search of the `default` space with its cross-attention
 fusions and 3-4 layer drafts): a draft cost outside the tables would be extrapolated.
@@ -123,8 +124,7 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
         return ProfileChoice(prof.hardware, path, "given", LatencyModel(prof))
     hardware = hardware or local
     check_hardware(hardware, local)
-    for d in dict.fromkeys(search_dirs):  # ordered, without repeats
-        path = default_profile_path(hardware, target.name, d, runtime)
+    for path in stored_candidates(hardware, target.name, search_dirs, runtime):
         if path.is_file():
             prof = Profile.load(path)
             check_profile(prof, path, target, hardware)
@@ -166,6 +166,18 @@ def resolve_profile(target: TargetModel, hardware: str | None, profile: str | No
     prof, path = run_profile(cfg)
     check_profile(prof, path, target, hardware)
     return ProfileChoice(hardware, path, "predicted" if predict else "measured", LatencyModel(prof))
+
+
+def stored_candidates(hardware: str, target: str, search_dirs: list[Path], runtime: str = "eager") -> list[Path]:
+    """Stored profiles a search may use, in order: per folder <hardware>-<target>[-runtime].json, then the same name
+    with a machine tag, <hardware>-<target>[-runtime]@<tag>.json (e.g. cpu-smolvlm-135m@avx2.json): "cpu" names
+    CPUs whose verify costs differ 2x, so profiles/ keeps one per kind of CPU a search has run on, and each
+    search takes the first one measured on its own kind of machine."""
+    out: list[Path] = []
+    for d in dict.fromkeys(search_dirs):  # ordered, without repeats
+        path = default_profile_path(hardware, target, d, runtime)
+        out += [path, *sorted(d.glob(f"{path.stem}@*.json"))]
+    return out
 
 
 RANGED = ("depth", "heads", "ffn", "top_k", "total_tokens")  # numeric choices a profile prices within its range

@@ -485,6 +485,16 @@ def test_a_stored_profile_of_another_machine_is_not_used(assets, tmp_path, caplo
         run_search(replace(cfg, profile_dir=str(elsewhere)))
     assert any("measured on another machine" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "run" / "profiles" / "cpu-tiny-llava.json").is_file()  # measured here instead
+    # a second stored profile, tagged, measured on this kind of machine: the next search takes it and measures nothing
+    data["device"] = here.to_dict()
+    (elsewhere / "cpu-tiny-llava@here.json").write_text(json.dumps(data))
+    (elsewhere / "cpu-tiny-llava-compiled@here.json").write_text(json.dumps(data))  # another runtime's: not this one
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nas.hardware"):
+        res = run_search(replace(cfg, profile_dir=str(elsewhere), out=str(tmp_path / "run2")))
+    assert any("using the stored measured profile" in r.getMessage() and "@here" in r.getMessage()
+               for r in caplog.records)
+    assert not (tmp_path / "run2" / "profiles").exists() and res.total_complete >= 1
 
 
 def test_recorded_command_names_the_module_and_quotes_its_arguments():
