@@ -92,14 +92,13 @@ def heldout_tau(ckpt_dir: Path, target, heldout: Path, trees: list[TreeSpec], ma
     from decode.loop.tree import TreePolicy
     from nas.acceptance import estimate_tau
     from nas.loading import load_supernet
-    from nas.suggest import eagle_like
     from supernet.dataset import FeatureData
 
     net, _ = load_supernet(ckpt_dir, target)
     net.eval()
     data = FeatureData(heldout, target)
     seqs = [data[i] for i in range(min(len(data), n_seqs or len(data)))]
-    arch = eagle_like(net.space, net.entropy_layer)
+    arch = net.space.eagle_like(net.entropy_layer)
     archs = {"eagle-like": arch}
     for label, extra in (extra_archs or {}).items():
         try:

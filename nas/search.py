@@ -389,7 +389,6 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     )
     from nas.kinds import EarlyExit, KindScorer
     from nas.objective import SweepTau
-    from nas.suggest import eagle_like
 
     depth = max(inp.space.tree_depth)
     if not isinstance(source, SweepTau):  # --tree sampled: the merged rows still need sweeps
@@ -399,7 +398,7 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     scorer = KindScorer(inp.trial_seqs, latency, context, early_exit=early_exit, corpus=inp.corpus)
     grid, corpus_grid = scorer.grids()
     rows = kinds_rows(scorer, done, source.sweep, inp.space.tree_depth, inp.space.total_tokens,
-                      eagle_like(inp.space, inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
+                      inp.space.eagle_like(inp.supernet.entropy_layer), top=int(inp.defaults.get("kinds_top", 3)),
                       grid=grid, corpus_grid=corpus_grid)
     every = inp.held.sequences
     whole = whole_scorer = None

@@ -104,15 +104,10 @@ def _resolvable(layer_set: tuple, entropy_layer: int | None) -> bool:
     return "entropy" not in layer_set or entropy_layer is not None
 
 
-def eagle_like(space: SearchSpace, entropy_layer: int | None) -> DraftArch:
-    """The EAGLE-1/2 draft as far as the space allows (decode.space.SearchSpace.eagle_like)."""
-    return space.eagle_like(entropy_layer)
-
-
 def starting_archs(space: SearchSpace, entropy_layer: int | None) -> list[tuple[str, DraftArch]]:
     """(label, arch) enqueued first in a new study: EAGLE-like default, largest, smallest (duplicates dropped)."""
     out: list[tuple[str, DraftArch]] = []
-    for label, arch in (("eagle-like", eagle_like(space, entropy_layer)), ("largest", space.largest(entropy_layer)),
+    for label, arch in (("eagle-like", space.eagle_like(entropy_layer)), ("largest", space.largest(entropy_layer)),
                         ("smallest", space.smallest(entropy_layer))):
         if all(arch != a for _, a in out):
             out.append((label, arch))

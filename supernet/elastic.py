@@ -31,7 +31,7 @@ from decode.errors import UserError
 from decode.runtime.small_rows import linear
 from decode.space import SearchSpace
 from decode.targets.capture import normalize_layer
-from supernet.grad_slices import part, rows
+from supernet.grad_slices import part
 
 
 class _HeadSlice:
@@ -154,7 +154,7 @@ class DraftSupernet(DraftModel):
 
     def project_features(self, feats: torch.Tensor) -> torch.Tensor:
         """(n, F*H) features in the active arch's layer order -> (n, H) through its column blocks."""
-        w = part(self.feat_fc.weight, self._cols)  # (H, F*H): the active layers' column blocks
+        w = part(self.feat_fc.weight, (1, self._cols))  # (H, F*H): the active layers' column blocks
         return linear(feats.to(w.dtype), w, self.feat_fc.bias)
 
     def head_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -172,7 +172,7 @@ class DraftSupernet(DraftModel):
         row ids index the leading draft_vocab rows), so that the backward adds into the head's gradient in place."""
         if not self._own_active_head():  # the target's own (frozen) LM head
             return weight[ids]
-        return rows(self.head.weight, ids)
+        return part(self.head.weight, (0, ids))
 
     # ------------------------------------------------------------------ importance ordering
     @torch.no_grad()

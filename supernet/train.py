@@ -10,7 +10,8 @@ rank's sequences. Losses: cross-entropy/KL to the target's next-token distributi
 position (--loss topk: a softmax over the target's stored top-k + --negatives frequent tokens, with
 --full-positions positions per sequence also scored over the whole vocabulary; --loss full: the whole
 vocabulary, --max-positions per sequence) + smooth-L1 regression of the target's final feature (+ the
-entropy-layer feature where used), over a multi-step unroll (supernet/unroll.py). Sequences without an answer position are never drawn.
+entropy-layer feature where used), over a multi-step unroll (supernet/unroll.py). Sequences without an
+answer position are never drawn.
 --init-from-target starts the draft layers from the target's last decoder layer (decode/drafts/from_target.py);
 --time-budget-s stops after that much training time, counted across --resume (the checkpoint keeps the clock;
 the LR schedule then follows time, and a run stopped by its budget is finished). AdamW,
@@ -192,11 +193,10 @@ def sandwich(model: DraftSupernet, step: int, cfg: TrainConfig, elapsed_s: float
     randoms = [(f"random{i}", space.sample(rng, e)) for i in range(cfg.n_random)]  # drawn alike in every mode
     if cfg.eagle_role not in EAGLE_ROLES:
         raise ValueError(f"eagle_role must be one of {EAGLE_ROLES}, got {cfg.eagle_role!r}")
-    eagle = [("eagle", space.eagle_like(e))]
     if cfg.eagle_role == "extra":
-        return pairs + randoms + eagle
+        return pairs + randoms + [("eagle", space.eagle_like(e))]
     if cfg.eagle_role == "alternate" and step % 2 == 1:  # in place of the first random subnet
-        return pairs + randoms[1:] + eagle
+        return pairs + randoms[1:] + [("eagle", space.eagle_like(e))]
     return pairs + randoms
 
 

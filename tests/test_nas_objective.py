@@ -22,7 +22,7 @@ from hwprofile.schema import Profile
 from hwprofile.tables import Table
 from nas.cost import draft_params, extra_memory
 from nas.objective import ObjectiveConfig, SpeedupObjective, TauCache, constraints_func
-from nas.suggest import arch_to_params, eagle_like, params_to_arch, starting_archs
+from nas.suggest import arch_to_params, params_to_arch, starting_archs
 
 DIMS = TargetDims(hidden_size=64, head_dim=16, vocab_size=276, num_layers=2)
 SPACE = SearchSpace.load("tiny")
@@ -151,7 +151,7 @@ def test_space_params_round_trip():
     archs = [a for _, a in starting_archs(SPACE, ENTROPY)] + [SPACE.sample(rng, ENTROPY) for _ in range(30)]
     for arch in archs:
         assert params_to_arch(arch_to_params(arch, SPACE, ENTROPY), SPACE, ENTROPY) == arch
-    eagle = eagle_like(SPACE, ENTROPY)
+    eagle = SPACE.eagle_like(ENTROPY)
     assert (eagle.fusion, eagle.feature_layers, eagle.depth, eagle.draft_vocab, eagle.visual_keep) == \
         ("concat", (-1,), 1, None, 1.0)
     assert eagle.heads == (max(SPACE.heads),) and eagle.ffn == (max(SPACE.ffn),)
@@ -266,7 +266,7 @@ def test_a_small_space_is_searched_without_repeats():
 def test_an_arch_another_worker_scored_is_taken_from_the_study_not_scored_again():
     calls = []
     obj = SpeedupObjective(SPACE, ENTROPY, DIMS, CPU, lambda a: calls.append(a) or 2.0, ObjectiveConfig(tree="sampled"))
-    arch = eagle_like(SPACE, ENTROPY)
+    arch = SPACE.eagle_like(ENTROPY)
     params = arch_to_params(arch, SPACE, ENTROPY)
     study = optuna.create_study(direction="maximize")
     # what another worker left in the shared study: its trial of this arch, finished

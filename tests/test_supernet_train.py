@@ -88,13 +88,13 @@ def test_weight_parts_add_the_gradient_autograd_computes(data_dir, monkeypatch):
     assert {a.draft_vocab for a in archs} >= {64, None}
     negatives = data.hot_tokens(32)
     calls: list[str] = []
-    for fn in (grad_slices._PartInto, grad_slices._RowsInto):
-        monkeypatch.setattr(fn, "backward", staticmethod(
-            lambda ctx, g, fn=fn, b=fn.backward: calls.append(fn.__name__) or b(ctx, g)))
+    backward = grad_slices._Into.backward
+    monkeypatch.setattr(grad_slices._Into, "backward", staticmethod(
+        lambda ctx, g: calls.append("slice" if isinstance(ctx.index[0], slice) else f"dim{ctx.index[0]}")
+        or backward(ctx, g)))
 
-    def grads(part, rows) -> dict[str, torch.Tensor]:
+    def grads(part) -> dict[str, torch.Tensor]:
         monkeypatch.setattr(elastic, "part", part)
-        monkeypatch.setattr(elastic, "rows", rows)
         torch.manual_seed(0)
         net = DraftSupernet(space, TargetDims.of(target), data.entropy_layer, data.hot_tokens(128))
         net = net.attach(target, init_head=True).float()
@@ -108,18 +108,24 @@ def test_weight_parts_add_the_gradient_autograd_computes(data_dir, monkeypatch):
         return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
     def plain(weight, index):
-        return weight[:, index] if isinstance(index, torch.Tensor) else weight[index]
+        if isinstance(index[0], slice):
+            return weight[index]
+        dim, ids = index
+        return weight[ids] if dim == 0 else weight[:, ids.to(weight.device)]
 
-    want = grads(plain, lambda weight, ids: weight[ids])
+    want = grads(plain)
     assert not calls
-    got = grads(grad_slices.part, grad_slices.rows)
-    assert calls.count("_PartInto") > 20 and calls.count("_RowsInto") > 4 and got.keys() == want.keys()
+    got = grads(grad_slices.part)
+    assert calls.count("slice") > 20 and calls.count("dim0") > 4 and calls.count("dim1") > 4
+    assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
     with torch.no_grad():  # outside training: the plain slice, no autograd node
         w = torch.nn.Parameter(torch.randn(6, 4))
         assert grad_slices.part(w, (slice(0, 3),)).grad_fn is None
-    assert torch.equal(grad_slices.part(w, torch.tensor([2, 0])), w[:, [2, 0]])
+    assert torch.equal(grad_slices.part(w, (1, torch.tensor([2, 0]))), w[:, [2, 0]])
+    ids = torch.tensor([[5, 1], [0, 0]])
+    assert torch.equal(grad_slices.part(w, (0, ids)), w[ids])
 
 
 def test_sandwich_training_learns(data_dir, tmp_path):
