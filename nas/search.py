@@ -12,7 +12,8 @@ draft. Trials live in an Optuna storage (default OUT/study.db, SQLite): rerunnin
 --study-name continues the study (--trials N more), and several processes may share one storage.
 
 Without --supernet the data, supernet, held-out data and profile come from the pipeline's cache
-folder, built first when missing (nas/pipeline.py). With --supernet, tau comes from --heldout-data,
+folder, built first when missing (nas/pipeline.py); training comes last of them and, at demo scale, gets what
+is left of the scale's 20-minute deadline (nas.pipeline.Deadline). With --supernet, tau comes from --heldout-data,
 or else (approximately) from the last --heldout sequences of the supernet's training data. Without
 --profile a stored profile of --hardware is used, else one is measured (this device) or predicted
 (another device; roofline calibrated here).
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import shlex
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -170,6 +172,7 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     from nas.hardware import check_hardware, local_hardware, resolve_profile, warn_extrapolation
     from nas.loading import check_subspace, heldout_sequences, load_supernet, read_supernet_state, trial_subset
 
+    start = time.perf_counter()  # the pipeline's deadline (nas.pipeline.Deadline) counts from here
     # cheap checks first: bad names fail before any model is loaded
     if cfg.hardware is not None and cfg.profile is None:
         check_hardware(cfg.hardware, local_hardware(cfg.device))
@@ -187,9 +190,19 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     pcfg = pipeline.PipelineConfig(target=target_name, scale=cfg.scale, space=cfg.space, device=cfg.device,
                                    dtype=cfg.dtype, cache_dir=cfg.cache_dir)
     ckpt, heldout_data = cfg.supernet, cfg.heldout_data
-    if ckpt is None:  # the pipeline: cached (or freshly built) data, supernet and held-out data
-        built, heldout_dir = pipeline.prepare(pcfg, target, heldout=heldout_data is None)
-        ckpt, heldout_data = str(built), heldout_data or str(heldout_dir)
+    choice = answers = None
+    if ckpt is None:  # the pipeline: cached (or freshly built) stages, training last (nas.pipeline.Deadline)
+        deadline = pipeline.Deadline(float(defaults["deadline_s"]), float(defaults["after_training_s"]), start)
+        pipeline.begin(pcfg)
+        data_dir = pipeline.data_stage(pcfg, target)
+        heldout_data = heldout_data or str(pipeline.heldout_stage(pcfg, target))
+        if cfg.corpus is None:  # the corpus's own answers (counted after training, with the rest: corpus_stage)
+            answers = pipeline.answers_stage(pcfg, target)
+        if cfg.profile is None:  # new profiles go to the run folder
+            choice = pipeline.profile_stage(pcfg, target, cfg.hardware, bool(defaults["quick_profile"]),
+                                            Path(cfg.profile_dir), cfg.runtime,
+                                            search_space=SearchSpace.load(pcfg.space_name))
+        ckpt = str(pipeline.supernet_stage(pcfg, data_dir, deadline))
     supernet, state = load_supernet(ckpt, target)
     if cfg.space is not None:
         space = SearchSpace.load(cfg.space)
@@ -201,15 +214,12 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     check_subspace(space, supernet)
     n_heldout = cfg.heldout or int(state.get("config", {}).get("val_sequences") or defaults["heldout"])
     held = heldout_sequences(target, supernet, state, heldout_data, n_heldout, space)
-    quick = bool(defaults["quick_profile"])
-    if cfg.profile is None and cfg.supernet is None:  # the pipeline: new profiles go to its run folder
-        choice = pipeline.profile_stage(pcfg, target, cfg.hardware, quick, Path(cfg.profile_dir), cfg.runtime,
-                                        search_space=space)
-    else:  # a profile made now belongs to this search's output folder, never to the checkout's profiles/
+    if choice is None:  # a profile made now belongs to this search's output folder, never to the checkout's profiles/
         own = out_dir(cfg, cfg.hardware or local_hardware(cfg.device), target.name) / "profiles"
         choice = resolve_profile(target, cfg.hardware, cfg.profile, [Path(cfg.profile_dir), own], own,
-                                 device=cfg.device, space=cfg.space or space.name, quick=quick, cache_dir=cfg.cache_dir,
-                                 runtime=cfg.runtime, search_space=space)
+                                 device=cfg.device, space=cfg.space or space.name,
+                                 quick=bool(defaults["quick_profile"]), cache_dir=cfg.cache_dir, runtime=cfg.runtime,
+                                 search_space=space)
     warn_extrapolation(choice.latency, space)
     n_trial = cfg.trial_sequences if cfg.trial_sequences is not None else defaults.get("trial_sequences")
     trial_seqs = trial_subset(held.sequences, n_trial or None)
@@ -220,7 +230,6 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         # predictions over its training data and its own answers (and a --finetune-data folder given). Not the scale's
         # fine-tuning data: it is built only when fine-tuning runs (ensure_finetune_data), after the corpus
         own = [Path(cfg.finetune_data)] if cfg.finetune_data else []
-        answers = pipeline.answers_stage(pcfg, target)
         corpus_path = pipeline.corpus_stage(pcfg, target, [pcfg.run_dir / "data"] + own +
                                             ([answers] if answers is not None else []))
     corpus = NgramCorpus.load(corpus_path, vocab_size=target.vocab_size) if corpus_path is not None else None
@@ -627,7 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where tree sweeps (acceptance of every tree of a subnet, hardware-independent) are kept "
                         "for later searches (default: tau-sweeps/ beside the supernet checkpoint; 'none': off)")
     p.add_argument("--context", type=int, default=None, help="context length of the prediction (default: profile's)")
-    p.add_argument("--scale", default=d.scale, help="pipeline scale in configs/scale (default: demo)")
+    p.add_argument("--scale", default=d.scale,
+                   help="pipeline scale in configs/scale (default: demo, whose run aims at 20 minutes: training gets "
+                        "what the other stages leave of them)")
     p.add_argument("--finetune-steps", type=int, default=None,
                    help="fine-tune the best subnet alone for N sequences before choosing and exporting (its tau "
                         "is re-measured; default: the scale's, 300 at demo scale; 0: off)")

@@ -59,8 +59,10 @@ def test_scale_files_give_valid_settings(scale, tmp_path):
     assert train_keys <= {f.name for f in fields(TrainConfig)}, train_keys
     cfg = config_from_args(build_parser().parse_args(["--data", str(tmp_path), "--scale", scale]))
     assert cfg.scale == scale and cfg.loss in ("topk", "full")
-    from nas.pipeline import nas_defaults
+    from nas.pipeline import NAS_DEFAULTS, nas_defaults
 
+    nas_keys = set(scale_defaults(scale, "nas"))
+    assert nas_keys <= set(NAS_DEFAULTS), nas_keys - set(NAS_DEFAULTS)  # no key is silently ignored
     own = nas_defaults(scale)["finetune_data"]  # the fine-tuning data (the target's own answers), where a scale has it
     if own is not None:
         assert set(own) <= known, set(own) - known
@@ -197,6 +199,32 @@ def test_pipeline_retrains_a_cached_supernet_of_another_space(tmp_path, monkeypa
     (ck / ckpt.STATE).write_text(json.dumps({**state, "space": SearchSpace.load("default").to_dict()}))
     supernet_stage(cfg, tmp_path / "data")
     assert len(calls) == 1 and calls[0].space == "tiny" and not calls[0].resume  # trained anew, not resumed
+
+
+def test_the_pipeline_deadline_shortens_training_to_what_the_other_stages_left(tmp_path, monkeypatch):
+    """nas.pipeline.Deadline: training gets the deadline minus the time gone and the stages after it, at most the
+    scale's own budget, at least the floor; a resumed run's training so far counts towards it; supernet_stage trains
+    with that budget."""
+    import time
+
+    import supernet.train as train_mod
+    from nas.pipeline import Deadline, PipelineConfig, supernet_stage
+
+    now = time.perf_counter()
+    assert Deadline().training_budget(270) == 270 and Deadline().training_budget(0) == 0  # no deadline
+    d = Deadline(total_s=1200, after_s=280, start=now - 780)  # 13 minutes gone, 4:40 set aside: 140 s left
+    assert 130 < d.training_budget(270) <= 140
+    assert 130 < d.training_budget(0) <= 140  # no budget of the scale's own: the deadline's
+    assert d.training_budget(100) == 100  # the scale's own budget where it is shorter
+    assert 230 < d.training_budget(270, trained_s=100) <= 240  # resumed after 100 s of training
+    assert Deadline(1200, 280, now - 1190).training_budget(270) == 60  # past the deadline: the floor
+    cfg = PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
+    calls = []
+    monkeypatch.setattr(train_mod, "train", lambda c: calls.append(c) or tmp_path)
+    supernet_stage(cfg, tmp_path / "data")
+    assert calls.pop().time_budget_s == scale_defaults("smoke", "train").get("time_budget_s", 0)  # no deadline
+    supernet_stage(cfg, tmp_path / "data", d)
+    assert 130 < calls.pop().time_budget_s <= 140
 
 
 def test_pipeline_retrains_a_cached_supernet_of_another_recipe(tmp_path, monkeypatch):
