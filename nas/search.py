@@ -190,6 +190,9 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     pcfg = pipeline.PipelineConfig(target=target_name, scale=cfg.scale, space=cfg.space, device=cfg.device,
                                    dtype=cfg.dtype, cache_dir=cfg.cache_dir)
     ckpt, heldout_data = cfg.supernet, cfg.heldout_data
+    # the scale's space as it is now in the pipeline (a cached supernet may predate new trees), --space where given,
+    # else the given supernet's (after it loads)
+    space = SearchSpace.load(pcfg.space_name) if cfg.supernet is None or cfg.space is not None else None
     choice = answers = None
     if ckpt is None:  # the pipeline: cached (or freshly built) stages, training last (nas.pipeline.Deadline)
         deadline = pipeline.Deadline(float(defaults["deadline_s"]), float(defaults["after_training_s"]), start)
@@ -201,15 +204,10 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
         if cfg.profile is None:  # new profiles go to the run folder
             choice = pipeline.profile_stage(pcfg, target, cfg.hardware, bool(defaults["quick_profile"]),
                                             Path(cfg.profile_dir), cfg.runtime,
-                                            search_space=SearchSpace.load(pcfg.space_name))
+                                            search_space=space)
         ckpt = str(pipeline.supernet_stage(pcfg, data_dir, deadline))
     supernet, state = load_supernet(ckpt, target)
-    if cfg.space is not None:
-        space = SearchSpace.load(cfg.space)
-    elif cfg.supernet is None:  # the pipeline: its scale's space as it is now (a cached supernet may predate new trees)
-        space = SearchSpace.load(pcfg.space_name)
-    else:
-        space = supernet.space
+    space = space if space is not None else supernet.space
     space.check_target(target.num_layers, target.vocab_size)
     check_subspace(space, supernet)
     n_heldout = cfg.heldout or int(state.get("config", {}).get("val_sequences") or defaults["heldout"])
