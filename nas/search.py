@@ -11,9 +11,9 @@ predicts its cycle time on the device from a latency profile: speed-up = tau * T
 draft. Trials live in an Optuna storage (default OUT/study.db, SQLite): rerunning with the same
 --study-name continues the study (--trials N more), and several processes may share one storage.
 
-Without --supernet the data, supernet, held-out data and profile come from the pipeline's cache
-folder, built first when missing (nas/pipeline.py); training comes last of them and, at demo scale, gets what
-is left of the scale's 20-minute deadline (nas.pipeline.Deadline). With --supernet, tau comes from --heldout-data,
+Without --supernet the held-out data, profile, data and supernet come from the pipeline's cache
+folder, built first when missing (nas/pipeline.py); data and training come last of them and, at demo scale, share
+what is left of the scale's 20-minute deadline (nas.pipeline.Deadline). With --supernet, tau comes from --heldout-data,
 or else (approximately) from the last --heldout sequences of the supernet's training data. Without
 --profile a stored profile of --hardware is used, else one is measured (this device) or predicted
 (another device; roofline calibrated here).
@@ -194,10 +194,10 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
     # else the given supernet's (after it loads)
     space = SearchSpace.load(pcfg.space_name) if cfg.supernet is None or cfg.space is not None else None
     choice = answers = None
-    if ckpt is None:  # the pipeline: cached (or freshly built) stages, training last (nas.pipeline.Deadline)
-        deadline = pipeline.Deadline(float(defaults["deadline_s"]), float(defaults["after_training_s"]), start)
+    if ckpt is None:  # the pipeline: cached (or freshly built) stages, data and training last (nas.pipeline.Deadline)
+        deadline = pipeline.Deadline(float(defaults["deadline_s"]), float(defaults["after_training_s"]), start,
+                                     data_share=float(defaults["data_share"]))
         pipeline.begin(pcfg)
-        data_dir = pipeline.data_stage(pcfg, target)
         heldout_data = heldout_data or str(pipeline.heldout_stage(pcfg, target))
         if cfg.corpus is None:  # the corpus's own answers (counted after training, with the rest: corpus_stage)
             answers = pipeline.answers_stage(pcfg, target)
@@ -205,6 +205,7 @@ def prepare_inputs(cfg: SearchConfig) -> Inputs:
             choice = pipeline.profile_stage(pcfg, target, cfg.hardware, bool(defaults["quick_profile"]),
                                             Path(cfg.profile_dir), cfg.runtime,
                                             search_space=space)
+        data_dir = pipeline.data_stage(pcfg, target, deadline)
         ckpt = str(pipeline.supernet_stage(pcfg, data_dir, deadline))
     supernet, state = load_supernet(ckpt, target)
     space = space if space is not None else supernet.space

@@ -23,6 +23,8 @@ spread over the list), image and loss masks, and for sequences with an image the
 and received attention (zeros on text sequences: they only rank image tokens, and the eager
 attention they need makes the forward several times slower) (format: supernet/dataset.py).
 Shard i always holds prompts [i*S, (i+1)*S); complete shards are skipped on rerun (resume).
+--time-budget-s stops starting shards once this run has spent that much time: the folder is then complete with the
+shards built (the manifest's `budget` says how many of how many), and a later run builds the rest. A pipeline deadline uses it to share its time between data and training.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class DataConfig:
     calib_prompts: int = 8  # first prompts whose attention entropy picks the entropy layer
     entropy_layer: int | None = None  # force the entropy layer (hidden-state index) instead of calibrating
     top_tokens: int = 1024  # most frequent next tokens listed in the manifest
+    # > 0: no new shard starts once this run has spent this many seconds (calibration included); the folder is then
+    # complete with the shards built so far (the rest of the prompts unused; a later run goes on). 0: every prompt
+    time_budget_s: float = 0.0
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: str | None = None
@@ -102,6 +107,9 @@ class DataConfig:
                      "regen_batch"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.time_budget_s < float("inf"):
+            raise UserError(f"--time-budget-s must be a number of seconds >= 0 (0: no budget), got "
+                            f"{self.time_budget_s}")
 
 
 # ---------------------------------------------------------------- sequences
@@ -343,6 +351,11 @@ def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[Prompt
                  regen_refused=refused)
 
 
+def _budget_spent(config: DataConfig, seconds: float, shards: list[dict]) -> bool:
+    """No new shard once config.time_budget_s (> 0) seconds are spent, provided one shard is complete."""
+    return 0 < config.time_budget_s <= seconds and any(s["complete"] for s in shards)
+
+
 def regenerate_batched(target: TargetModel, items: list[PromptItem], config: DataConfig) -> dict[str, list[int]]:
     """{prompt id: the target's answer} for the text prompts of `items`, in left-padded batches of
     config.regen_batch sorted by length (regenerate mode, regen_batch > 1; else empty)."""
@@ -431,14 +444,26 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
         logger.info("data: all %d shards in %s are complete; nothing to build", len(groups), out)
     with tqdm(total=len(items), initial=len(items) - n_todo, desc="features", unit="prompt", disable=None) as bar:
         for j in todo:
+            if _budget_spent(config, time.perf_counter() - start, shards):
+                break
             _build_shard(target, out, shards[j], groups[j], config, layers, meta, built, bar)
             write_json_atomic(out / MANIFEST, manifest)  # a partial run is readable (complete shards only)
 
     seconds = time.perf_counter() - start
-    new_tokens = sum(shards[j]["tokens"] for j in todo)
-    run = {"date": manifest["environment"]["date"], "seconds": round(seconds, 2), "shards_built": len(todo),
+    done = [j for j in todo if shards[j]["complete"]]
+    new_tokens = sum(shards[j]["tokens"] for j in done)
+    run = {"date": manifest["environment"]["date"], "seconds": round(seconds, 2), "shards_built": len(done),
            "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / seconds, 1) if seconds > 0 else None,
            "torch_threads": torch.get_num_threads()}
+    if len(done) < len(todo):  # the time budget ran out: the folder is what was built; the rest of the prompts unused
+        kept = [s for s in shards if s["complete"]]
+        manifest["budget"] = {"time_budget_s": config.time_budget_s, "shards": len(kept), "of": len(shards),
+                              "prompts_unused": sum(len(s["prompt_ids"]) for s in shards if not s["complete"])}
+        logger.warning("data: the %.0f-s time budget is spent after %d of %d shards; %d prompts unused (a later "
+                       "run builds them)", config.time_budget_s, len(kept), len(shards),
+                       manifest["budget"]["prompts_unused"])
+        shards = manifest["shards"] = kept
+        run["stopped_by_budget"] = True
     manifest.update(summarize_shards(out, shards, target.vocab_size, target.num_layers, config.top_tokens),
                     complete=True, skipped={k: v for s in shards for k, v in s["skipped"].items()},
                     regen_refused=[k for s in shards for k in s.get("regen_refused", [])],
@@ -488,6 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-prompts", type=int, default=d.calib_prompts,
                    help=f"prompts whose attention entropy picks the entropy layer (default: {d.calib_prompts})")
     p.add_argument("--entropy-layer", type=int, default=None, help="use this hidden-state index instead of calibrating")
+    p.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="start no shard after this run has spent this many seconds; the folder is then complete with "
+                        "the shards built, and a later run goes on (default: 0 = every prompt)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is far faster on a busy machine)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -519,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     space = args.space or (scale_space(args.scale, args.target) if args.scale else default_space_name(args.target))
     config = DataConfig(target=args.target, split=args.split, **pick, space=space, out=args.out,
                         image_answer_tokens=args.image_answer_tokens,
-                        calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer, device=args.device,
+                        calib_prompts=args.calib_prompts, entropy_layer=args.entropy_layer,
+                        time_budget_s=args.time_budget_s, device=args.device,
                         dtype=args.dtype, cache_dir=str(args.cache_dir) if args.cache_dir else None)
     out = build_data(config)
     m = read_manifest(out)

@@ -342,8 +342,8 @@ def test_default_study_name_moves_on_when_the_inputs_change(assets, tmp_path):
 
 
 def test_pipeline_builds_once_then_reuses(tmp_path):
-    """No --supernet: data, held-out data, profile, then the supernet (last, so that a deadline can shorten its
-    training: nas.pipeline.Deadline) are built under the cache, then reused."""
+    """No --supernet: held-out data, profile, then data and the supernet (last, so that a deadline can share what
+    is left between them: nas.pipeline.Deadline) are built under the cache, then reused."""
     cfg = SearchConfig(target=TARGET, scale="smoke", cache_dir=str(tmp_path / "cache"),
                        profile_dir=str(tmp_path / "profiles"), out=str(tmp_path / "out"), trials=2, device="cpu",
                        dtype="float32")
@@ -352,7 +352,9 @@ def test_pipeline_builds_once_then_reuses(tmp_path):
     made = [run / "data" / "manifest.json", run / "supernet" / "checkpoint" / "state.json",
             run / "heldout" / "manifest.json", run / "profiles" / "cpu-tiny-llava.json"]
     stamps = [p.stat().st_mtime_ns for p in made]
-    assert stamps[0] < stamps[2] < stamps[1] and stamps[3] < stamps[1]  # training after the stages of fixed work
+    assert stamps[2] < stamps[0] < stamps[1] and stamps[3] < stamps[0]  # data, training after the fixed stages
+    manifests = [json.loads((run / f / "manifest.json").read_text()) for f in ("data", "heldout")]
+    assert manifests[0]["entropy"]["layer"] == manifests[1]["entropy"]["layer"]  # one entropy layer
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert "split heldout" in summary["setup"]["heldout"] and summary["setup"]["heldout_last"] is None
     assert json.loads((run / "heldout" / "manifest.json").read_text())["config"]["mode"] == "regenerate"

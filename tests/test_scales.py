@@ -227,6 +227,49 @@ def test_the_pipeline_deadline_shortens_training_to_what_the_other_stages_left(t
     assert 130 < calls.pop().time_budget_s <= 140
 
 
+def test_the_deadline_shares_what_is_left_between_data_and_training(tmp_path, monkeypatch):
+    """Deadline.data_budget: the data's share of what the deadline leaves once the stages after training are set
+    aside (no deadline: no budget, every prompt); data_stage builds with it and with the run's one entropy layer, and
+    training then gets what the data left."""
+    import time
+
+    from nas import pipeline
+    from supernet import data as data_mod
+
+    now = time.perf_counter()
+    assert pipeline.Deadline().data_budget() == 0  # no deadline
+    d = pipeline.Deadline(total_s=1200, after_s=280, start=now - 520, data_share=0.5)  # 400 s left: 200 s to data
+    assert 195 < d.data_budget() <= 200
+    assert pipeline.Deadline(1200, 280, now - 1190).data_budget() == 60  # past the deadline: the floor
+    cfg = pipeline.PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
+    built = []
+    monkeypatch.setattr(pipeline, "entropy_layer", lambda cfg, target: 2)
+    monkeypatch.setattr(data_mod, "build_data", lambda c, target=None: built.append(c) or tmp_path / "data")
+    pipeline.data_stage(cfg, None, d)
+    assert 195 < built[-1].time_budget_s <= 200 and built[-1].entropy_layer == 2 and built[-1].split == "train"
+    pipeline.data_stage(cfg, None)
+    assert built[-1].time_budget_s == 0  # no deadline: every prompt
+
+
+def test_the_runs_entropy_layer_is_the_training_datas_else_the_heldout_datas_else_calibrated(tmp_path, monkeypatch):
+    """The held-out stage now runs before the data stage: both take one entropy layer, the training data's where a
+    cache has it, else the held-out data's, else calibrated on the training prompts (what supernet.data does)."""
+    from nas import pipeline
+    from supernet import data as data_mod
+
+    cfg = pipeline.PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
+    calls = []
+    monkeypatch.setattr(data_mod, "load_prompts", lambda c, is_vlm, name: calls.append(c) or ["p"])
+    monkeypatch.setattr(data_mod, "calibrate_entropy", lambda target, items, c: SimpleNamespace(layer=3))
+    target = SimpleNamespace(is_vlm=True, name="tiny-llava")
+    assert pipeline.entropy_layer(cfg, target) == 3 and calls[0].split == "train"
+    for folder, layer in (("heldout", 1), ("data", 2)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "manifest.json").write_text(json.dumps({"complete": False, "entropy": {"layer": layer}}))
+        assert pipeline.entropy_layer(cfg, target) == layer
+    assert len(calls) == 1
+
+
 def test_pipeline_retrains_a_cached_supernet_of_another_recipe(tmp_path, monkeypatch):
     """A checkpoint trained before the scale's recipe changed (here: feat_weight, and an older config without
     the field at all, which ran the default) is trained anew; run-only fields (threads, steps) do not count."""
@@ -304,10 +347,9 @@ def test_the_heldout_stage_leaves_room_for_every_answer(tmp_path, monkeypatch):
     from nas import pipeline
     from nas.pipeline import PipelineConfig, _complete, heldout_stage
     from supernet import data as data_mod
-    from supernet import dataset as dataset_mod
 
     built = []
-    monkeypatch.setattr(dataset_mod, "FeatureData", lambda directory, target=None: SimpleNamespace(entropy_layer=1))
+    monkeypatch.setattr(pipeline, "entropy_layer", lambda cfg, target: 1)
     monkeypatch.setattr(data_mod, "build_data", lambda c, target=None: built.append(c) or tmp_path / "heldout")
     defaults = pipeline.nas_defaults("smoke")
     monkeypatch.setattr(pipeline, "nas_defaults", lambda scale: {

@@ -180,6 +180,42 @@ def test_a_changed_prompt_list_keeps_the_shards_whose_prompts_stay(tmp_path, mon
     assert not _complete(out, replace(cfg, prompts="sharegpt:2", max_len=48)) and not out.exists()  # other settings
 
 
+def test_a_time_budget_stops_with_the_shards_built_and_a_later_run_finishes(tmp_path, monkeypatch, caplog):
+    """--time-budget-s: no shard starts once this run has spent the budget; the folder is complete and readable with
+    the shards built, the manifest says how many of how many; a later run goes on, keeping the shards there, and one
+    without the budget builds the rest. At least one shard is in the folder, however small the budget."""
+    from nas.pipeline import _complete
+
+    items = [PromptItem(f"sharegpt:p{i}_0", f"Say something about {i}.", None, f"Something about {i}.")
+             for i in range(5)]
+    monkeypatch.setattr(data_mod, "parse_prompt_spec", lambda spec, split, max_chars, cache_dir: items)
+    out = tmp_path / "data"
+    target = tiny_target("tiny-llama")
+    cfg = _config(out, target="tiny-llama", prompts="sharegpt:5", shard_size=2, max_len=40, time_budget_s=1e-6)
+    with single_thread(), caplog.at_level(logging.WARNING, logger="supernet.data"):
+        build_data(cfg, target=target)
+    manifest = read_manifest(out)
+    assert manifest["complete"] and [s["file"] for s in manifest["shards"]] == ["shard-00000.safetensors"]
+    assert manifest["budget"] == {"time_budget_s": 1e-6, "shards": 1, "of": 3, "prompts_unused": 3}
+    assert manifest["runs"][-1]["stopped_by_budget"] and manifest["runs"][-1]["shards_built"] == 1
+    assert "time budget is spent after 1 of 3 shards" in caplog.text
+    assert [p.name for p in out.glob("shard-*.safetensors")] == ["shard-00000.safetensors"]
+    assert len(FeatureData(out)) == 2 and manifest["counts"]["sequences"] == 2
+    assert _complete(out, cfg)  # the pipeline reuses it as it is
+    stamp = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    with single_thread():
+        build_data(cfg, target=target)  # a shard is there and the budget is spent at once: nothing more
+        assert len(read_manifest(out)["shards"]) == 1 and (out / "shard-00000.safetensors").stat().st_mtime_ns == stamp
+        build_data(replace(cfg, time_budget_s=3600.0), target=target)  # a budget to spare: it goes on
+        assert len(read_manifest(out)["shards"]) == 3 and "budget" not in read_manifest(out)
+        build_data(replace(cfg, time_budget_s=0.0), target=target)
+    manifest = read_manifest(out)
+    assert "budget" not in manifest and len(FeatureData(out)) == 5
+    assert (out / "shard-00000.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(UserError, match="time-budget-s"):
+        replace(cfg, time_budget_s=-1.0).check()
+
+
 def test_other_target_is_rejected(built, tmp_path, fake_prompts, capsys):
     other = tiny_target("tiny-llama")
     with pytest.raises(UserError, match="tiny-llava") as err:
