@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     result_file = out.with_suffix(".json")
     results = json.loads(result_file.read_text()) if result_file.is_file() else {"runs": {}}
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    cache = str(args.cache_dir) if args.cache_dir else None
+    target = load_target(args.target, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir)
     extra = {}
     for item in args.arch or []:
         label, _, file = item.partition("=")
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         run_dir = Path(args.work) / name
         cfg = TrainConfig(target=args.target, data=data[label], out=str(run_dir), space=args.space, scale="demo",
                           steps=100_000, time_budget_s=budget, threads=args.threads, device=args.device,
-                          dtype=args.dtype, val_sequences=0, ckpt_every=100_000)
+                          dtype=args.dtype, cache_dir=cache, val_sequences=0, ckpt_every=100_000)
         cfg = replace(cfg, **{**dict(warmup=20, n_random=0, reorder_at=0, unroll=2, seqs_per_step=4), **settings})
         done = run_dir / "ablation-trained.json"  # training finished earlier (a crash in scoring reruns only that)
         t0 = time.perf_counter()

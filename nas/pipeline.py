@@ -333,7 +333,8 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path, deadline: Deadline = Dea
     known = {f.name for f in fields(TrainConfig)}
     settings = {k: v for k, v in scale_defaults(cfg.scale, "train").items() if k in known}
     train_cfg = TrainConfig(**{**settings, "target": cfg.target, "data": str(data_dir), "out": str(out),
-                               "space": cfg.space_name, "scale": cfg.scale, "device": cfg.device, "dtype": cfg.dtype})
+                               "space": cfg.space_name, "scale": cfg.scale, "device": cfg.device, "dtype": cfg.dtype,
+                               "cache_dir": cfg.cache_dir})
     with stage_lock(cfg, "supernet"):
         if recover(ck):
             logger.warning("supernet stage: %s restored after an interrupted save", ck)

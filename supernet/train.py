@@ -96,6 +96,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    cache_dir: str | None = None  # where the target is prepared and loaded from (None: the default cache)
     resume: bool = False
 
     def __post_init__(self) -> None:  # the space is part of the checkpoint's identity: resolve the default now
@@ -128,7 +129,7 @@ def run_progress(step_fraction: float, elapsed_s: float, time_budget_s: float) -
 # TrainConfig fields that say where and how long a run trains, not what it learns: a cached checkpoint that
 # differs from a scale only in these is the same recipe (steps: a longer scale resumes it)
 RUN_FIELDS = frozenset({"target", "data", "out", "space", "scale", "steps", "ckpt_every", "val_sequences", "threads",
-                        "time_budget_s", "device", "dtype", "resume", "autocast"})
+                        "time_budget_s", "device", "dtype", "cache_dir", "resume", "autocast"})
 
 
 def recipe_changes(saved: dict, cfg: TrainConfig) -> list[str]:
@@ -246,7 +247,8 @@ def train(cfg: TrainConfig) -> Path:
     out = writable_dir(cfg.out)  # before the target loads and minutes of training
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype,
+                         cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None)
     d = init_distributed(target.device.type)
     torch.manual_seed(cfg.seed)
     data = FeatureData(cfg.data, target)
@@ -384,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default: out/supernet-<target>-<scale>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     for f in fields(TrainConfig):
-        if f.name in ("target", "data", "out", "space", "scale", "device", "dtype", "resume"):
+        if f.name in ("target", "data", "out", "space", "scale", "device", "dtype", "cache_dir", "resume"):
             continue
         if isinstance(f.default, bool):
             p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
@@ -398,11 +400,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     base = scale_defaults(args.scale, "train")
     cfg = TrainConfig(target=args.target, data=args.data, out=args.out or f"out/supernet-{Path(args.target).name}-{args.scale}",
                       space=args.space or scale_space(args.scale, args.target), scale=args.scale, device=args.device,
-                      dtype=args.dtype, resume=args.resume)
+                      dtype=args.dtype, cache_dir=str(args.cache_dir) if args.cache_dir else None,
+                      resume=args.resume)
     known = {f.name for f in fields(TrainConfig)}
     cfg = replace(cfg, **{k: v for k, v in base.items() if k in known})
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None
-                 and f.name not in ("target", "data", "out", "space", "scale", "device", "dtype", "resume")}
+                 and f.name not in ("target", "data", "out", "space", "scale", "device", "dtype", "cache_dir",
+                                    "resume")}
     cfg = replace(cfg, **overrides)
     if cfg.steps < 1 or cfg.seqs_per_step < 1 or cfg.unroll < 1:
         raise UserError("steps, seqs-per-step and unroll must be >= 1")

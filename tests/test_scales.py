@@ -82,6 +82,8 @@ def test_the_demo_and_cpu_scales_train_the_compact_space_everywhere():
     assert config_from_args(build_parser().parse_args(["--data", "d", "--scale", "demo"])).space == "compact"
     assert config_from_args(build_parser().parse_args(["--data", "d", "--scale", "demo", "--space", "eagle"])).space \
         == "eagle"
+    assert config_from_args(build_parser().parse_args(["--data", "d", "--cache-dir", "/c"])).cache_dir == "/c"
+    assert config_from_args(build_parser().parse_args(["--data", "d"])).cache_dir is None
     compact, default = SearchSpace.load("compact"), SearchSpace.load("default")
     assert compact.feature_layers == default.feature_layers  # the same stored layers: demo data stays valid
 
@@ -225,6 +227,27 @@ def test_the_pipeline_deadline_shortens_training_to_what_the_other_stages_left(t
     assert calls.pop().time_budget_s == scale_defaults("smoke", "train").get("time_budget_s", 0)  # no deadline
     supernet_stage(cfg, tmp_path / "data", d)
     assert 130 < calls.pop().time_budget_s <= 140
+    supernet_stage(PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path), cache_dir="/c"), tmp_path)
+    assert calls.pop().cache_dir == "/c"  # the target is loaded from the run's cache, not the default one
+
+
+def test_training_loads_the_target_from_the_cache_it_is_given(tmp_path, monkeypatch):
+    """supernet.train with cache_dir (nas.search --cache-dir through the pipeline) loads the target from there, not
+    from the default cache (where it would prepare a second copy)."""
+    from pathlib import Path
+
+    import supernet.train as train_mod
+
+    seen = {}
+
+    def loader(name, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(train_mod, "load_target", loader)
+    with pytest.raises(RuntimeError, match="loaded"):
+        train_mod.train(train_mod.TrainConfig(target="t", data=str(tmp_path), out=str(tmp_path / "o"), cache_dir="/c"))
+    assert seen["cache_dir"] == Path("/c")
 
 
 def test_the_deadline_shares_what_is_left_between_data_and_training(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,6 +215,28 @@ def test_a_time_budget_stops_with_the_shards_built_and_a_later_run_finishes(tmp_
     assert (out / "shard-00000.safetensors").stat().st_mtime_ns == stamp
     with pytest.raises(UserError, match="time-budget-s"):
         replace(cfg, time_budget_s=-1.0).check()
+
+
+def test_a_time_budget_starts_no_shard_that_would_end_past_it(tmp_path, monkeypatch):
+    """The next shard is expected to take the run's mean shard time so far: with shards of 10 s and a 25-s budget the
+    third would end at 30 s, so two are built (a check of the time spent alone would start the third at 20 s)."""
+    items = [PromptItem(f"sharegpt:p{i}_0", f"Say something about {i}.", None, f"Something about {i}.")
+             for i in range(5)]
+    monkeypatch.setattr(data_mod, "parse_prompt_spec", lambda spec, split, max_chars, cache_dir: items)
+    clock = [0.0]
+    monkeypatch.setattr(data_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    real = data_mod._build_shard
+
+    def ten_seconds(*args, **kwargs):
+        real(*args, **kwargs)
+        clock[0] += 10.0
+
+    monkeypatch.setattr(data_mod, "_build_shard", ten_seconds)
+    out = tmp_path / "data"
+    with single_thread():
+        build_data(_config(out, target="tiny-llama", prompts="sharegpt:5", shard_size=2, max_len=40,
+                           time_budget_s=25.0), target=tiny_target("tiny-llama"))
+    assert read_manifest(out)["budget"]["shards"] == 2 and len(FeatureData(out)) == 4
 
 
 def test_other_target_is_rejected(built, tmp_path, fake_prompts, capsys):
