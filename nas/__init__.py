@@ -7,6 +7,12 @@ Modules (one concept each): acceptance (tau by greedy replay on stored target da
 parameters, extra memory), suggest (the SearchSpace as Optuna parameters; starting archs),
 objective (predicted speed-up, budgets as constraints, tau cache), study (storage, sampler,
 resume checks), loading (supernet checkpoint, held-out sequences), hardware (device name ->
-stored / measured / predicted profile), pipeline (data -> supernet -> held-out data -> profile,
+stored / measured / predicted profile), pipeline (held-out data -> profile -> data -> supernet,
 cached), report (CSV, table, plot), finetune (short training of the chosen subnet), export, search.
 """
+
+import time
+
+# when this package was imported: `python -m nas.search` counts a scale's deadline from here, since its imports (torch,
+# transformers: ~10 s on 2 cores) come before main() runs
+IMPORTED = time.perf_counter()

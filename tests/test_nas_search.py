@@ -380,6 +380,24 @@ def test_pipeline_builds_once_then_reuses(tmp_path):
     assert speculative_generate(target, draft, prompt, 12).tokens == vanilla_generate(target, prompt, 12).tokens
 
 
+def test_the_cli_counts_the_deadline_from_its_imports(monkeypatch):
+    """python -m nas.search spends ~10 s importing torch and transformers before main() runs: its deadline counts from
+    the package import (nas.IMPORTED), not from the pipeline's first stage."""
+    import nas
+    import nas.search as search_mod
+
+    seen = []
+
+    def stop(cfg, started=None):
+        seen.append(started)
+        raise UserError("stopped here")
+
+    monkeypatch.setattr(search_mod, "run_search", stop)
+    with pytest.raises(UserError, match="stopped here"):
+        search_mod.main(["--target", TARGET, "--scale", "smoke"])
+    assert seen == [nas.IMPORTED]
+
+
 def test_a_killed_worker_trial_is_failed_and_its_arch_rerun(assets, tmp_path, monkeypatch):
     """kill -9 of a search mid-trial leaves it RUNNING; the next run marks it FAIL (no heartbeat for
     GRACE_S) and scores its arch again, instead of listing a RUNNING trial forever."""
