@@ -47,9 +47,9 @@ NAS_DEFAULTS = {"trials": 40, "heldout": 4, "quick_profile": False, "finetune_st
                 "finetune_time_budget_s": 0, "trial_sequences": None,
                 # the whole run within deadline_s of its start (0: no deadline): data and training, the stages whose
                 # length is ours to set, run last of the stages before the search and share what is left after
-                # after_training_s, the measured length of the stages after them: data_share of it to the data,
-                # the rest to training (Deadline)
-                "deadline_s": 0, "after_training_s": 0, "data_share": 0.5,
+                # after_training_s, the measured length of the stages after them: training's own budget first, the
+                # rest, at least data_share of it, to the data (Deadline)
+                "deadline_s": 0, "after_training_s": 0, "data_share": 0.25,
                 "kinds_top": 3,
                 "heldout_data": {"prompts": "sharegpt:4,images:1", "mode": "regenerate", "max_len": 512,
                                  "max_new_tokens": 64, "max_prompt_chars": 600,
@@ -167,8 +167,9 @@ def entropy_layer(cfg: PipelineConfig, target: TargetModel) -> int:
 
 def data_stage(cfg: PipelineConfig, target: TargetModel, deadline: Deadline | None = None) -> Path:
     """Training features of the scale's prompts (train split); skipped when a complete manifest is there. Under a
-    deadline, building stops at the data's share of the time left (Deadline.data_budget) with the prompts built."""
+    deadline, building stops at the data's part of the time left (Deadline.data_budget) with the prompts built."""
     from supernet.data import build_data
+    from supernet.train import scale_defaults
 
     out = cfg.run_dir / "data"
     with stage_lock(cfg, "data"):
@@ -176,7 +177,8 @@ def data_stage(cfg: PipelineConfig, target: TargetModel, deadline: Deadline | No
         if _complete(out, data_cfg):
             logger.info("data stage: reusing %s", out)
             return out
-        budget = deadline.data_budget() if deadline is not None else 0.0
+        training_s = float(scale_defaults(cfg.scale, "train").get("time_budget_s") or 0.0)
+        budget = deadline.data_budget(training_s) if deadline is not None else 0.0
         data_cfg = _data_config(cfg, out, split="train", entropy_layer=entropy_layer(cfg, target), time_budget_s=budget)
         logger.warning("data stage: building %s-scale features of %s -> %s%s", cfg.scale, cfg.target, out,
                        f" (at most {budget:.0f} s of the deadline: the rest is training's)" if budget > 0 else "")
@@ -293,24 +295,30 @@ class Deadline:
     Held-out data, answers and profile take what the machine needs for a fixed amount of work (an AVX2-only 2-core
     VM took 1.3x an AVX-512 one's time for them). Data and training share the rest: they run last of the stages
     before the search and, once `after_s`, the measured length of the stages after them (corpus, trials, table,
-    export), is set aside, the data gets `data_share` of what is left (Deadline.data_budget: it stops with the
-    prompts built, never fewer than one shard) and training what the data left (Deadline.training_budget), never more
-    than the scale's own budget and never less than `floor_s`. Why share: on a slow machine the data stage built
+    export), is set aside, the data gets what the scale's own training budget does not need of what is left, at least
+    `data_share` of it (Deadline.data_budget: it stops with the prompts built, never fewer than one shard), and
+    training what the data left (Deadline.training_budget), never more than the scale's own budget and never less
+    than `floor_s`. Why share: on a slow machine the data stage built
     448 sequences in 5.7 minutes of which training, left 1 minute, read 54 (MEASUREMENTS.md, 2026-12-07)."""
     total_s: float = 0.0
     after_s: float = 0.0
     start: float = 0.0
     floor_s: float = 60.0
-    data_share: float = 0.5
+    data_share: float = 0.25
 
     def left(self) -> float:
         return self.total_s - (time.perf_counter() - self.start) - self.after_s
 
-    def data_budget(self) -> float:
-        """Seconds of data building (0: no deadline, every prompt)."""
+    def data_budget(self, training_s: float = 0.0) -> float:
+        """Seconds of data building (0: no deadline, every prompt): what training's own budget `training_s` (0: none)
+        leaves of the time left, and at least `data_share` of it. Training comes first because at the demo's budget
+        optimizer steps buy more than fresh sequences: 296 steps over 128 sequences reached held-out tau 1.604 on
+        6x8/60, 189 steps over 288 sequences 1.535 (benchmarks/results/ablation-data-share-demo-cpu.md)."""
         if self.total_s <= 0:
             return 0.0
-        return max(self.floor_s, self.data_share * self.left())
+        left = self.left()
+        rest = left - training_s if training_s > 0 else 0.0
+        return max(self.floor_s, self.data_share * left, rest)
 
     def training_budget(self, configured_s: float, trained_s: float = 0.0) -> float:
         """Seconds of training (a total: a resumed run's `trained_s` so far included) for a scale budget of

@@ -251,9 +251,9 @@ def test_training_loads_the_target_from_the_cache_it_is_given(tmp_path, monkeypa
 
 
 def test_the_deadline_shares_what_is_left_between_data_and_training(tmp_path, monkeypatch):
-    """Deadline.data_budget: the data's share of what the deadline leaves once the stages after training are set
-    aside (no deadline: no budget, every prompt); data_stage builds with it and with the run's one entropy layer, and
-    training then gets what the data left."""
+    """Deadline.data_budget: what the scale's own training budget leaves of the time the deadline leaves once the
+    stages after training are set aside, at least the data's share (no deadline: no budget, every prompt); data_stage
+    builds with it and with the run's one entropy layer, and training then gets what the data left."""
     import time
 
     from nas import pipeline
@@ -263,6 +263,10 @@ def test_the_deadline_shares_what_is_left_between_data_and_training(tmp_path, mo
     assert pipeline.Deadline().data_budget() == 0  # no deadline
     d = pipeline.Deadline(total_s=1200, after_s=280, start=now - 520, data_share=0.5)  # 400 s left: 200 s to data
     assert 195 < d.data_budget() <= 200
+    assert 195 < d.data_budget(270) <= 200  # training's own 270 s would leave the data less than its share
+    early = pipeline.Deadline(total_s=1200, after_s=280, start=now - 220, data_share=0.25)  # 700 s left
+    assert 425 < early.data_budget(270) <= 430  # training's 270 s first, the rest to the data
+    assert 170 < early.data_budget() <= 175  # no training budget of the scale's own: the data's share
     assert pipeline.Deadline(1200, 280, now - 1190).data_budget() == 60  # past the deadline: the floor
     cfg = pipeline.PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
     built = []
