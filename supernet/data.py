@@ -23,8 +23,7 @@ spread over the list), image and loss masks, and for sequences with an image the
 and received attention (zeros on text sequences: they only rank image tokens, and the eager
 attention they need makes the forward several times slower) (format: supernet/dataset.py).
 Shard i always holds prompts [i*S, (i+1)*S); complete shards are skipped on rerun (resume).
---time-budget-s starts no shard that would end past that much time of this run (judged by the run's mean shard time
-so far): the folder is then complete with the shards built (the manifest's `budget` says how many of how many), and
+--time-budget-s starts no shard once this run has spent that much time: the folder is then complete with the shards built (the manifest's `budget` says how many of how many), and
 a later run builds the rest. A pipeline deadline uses it to share its time between data and training.
 """
 
@@ -84,9 +83,8 @@ class DataConfig:
     calib_prompts: int = 8  # first prompts whose attention entropy picks the entropy layer
     entropy_layer: int | None = None  # force the entropy layer (hidden-state index) instead of calibrating
     top_tokens: int = 1024  # most frequent next tokens listed in the manifest
-    # > 0: no shard starts that would end past this many seconds of this run (calibration included; by the run's mean
-    # shard time so far); the folder is then complete with the shards built (the rest of the prompts unused; a later
-    # run goes on). 0: every prompt
+    # > 0: no shard starts once this run has spent this many seconds (calibration included); the folder is then
+    # complete with the shards built (the rest of the prompts unused; a later run goes on). 0: every prompt
     time_budget_s: float = 0.0
     device: str = "auto"
     dtype: str = "auto"
@@ -354,8 +352,7 @@ def _build_shard(target: TargetModel, out: Path, entry: dict, group: list[Prompt
 
 
 def _budget_spent(config: DataConfig, seconds: float, shards: list[dict]) -> bool:
-    """No new shard once `seconds` (spent, plus what the next shard is expected to take) reach config.time_budget_s
-    (> 0), provided one shard is complete."""
+    """No new shard once `seconds` reach config.time_budget_s (> 0), provided one shard is complete."""
     return 0 < config.time_budget_s <= seconds and any(s["complete"] for s in shards)
 
 
@@ -446,15 +443,13 @@ def build_data(config: DataConfig, target: TargetModel | None = None) -> Path:
     else:
         logger.info("data: all %d shards in %s are complete; nothing to build", len(groups), out)
     with tqdm(total=len(items), initial=len(items) - n_todo, desc="features", unit="prompt", disable=None) as bar:
-        per_shard: list[float] = []  # seconds of each shard built in this run
         for j in todo:
-            expected = sum(per_shard) / len(per_shard) if per_shard else 0.0
-            if _budget_spent(config, time.perf_counter() - start + expected, shards):
+            # the last shard may end past the budget: under a deadline training takes what the clock leaves, and a
+            # guess of the next shard's time misleads (the first shard, holding the photos, takes 2-3x a text one)
+            if _budget_spent(config, time.perf_counter() - start, shards):
                 break
-            t_shard = time.perf_counter()
             _build_shard(target, out, shards[j], groups[j], config, layers, meta, built, bar)
             write_json_atomic(out / MANIFEST, manifest)  # a partial run is readable (complete shards only)
-            per_shard.append(time.perf_counter() - t_shard)
 
     seconds = time.perf_counter() - start
     done = [j for j in todo if shards[j]["complete"]]
@@ -521,8 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompts whose attention entropy picks the entropy layer (default: {d.calib_prompts})")
     p.add_argument("--entropy-layer", type=int, default=None, help="use this hidden-state index instead of calibrating")
     p.add_argument("--time-budget-s", type=float, default=0.0,
-                   help="start no shard that would end past this many seconds of this run; the folder is then "
-                        "complete with the shards built, and a later run goes on (default: 0 = every prompt)")
+                   help="start no shard once this run has spent this many seconds; the folder is then complete "
+                        "with the shards built, and a later run goes on (default: 0 = every prompt)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is far faster on a busy machine)")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress")

@@ -217,11 +217,11 @@ def test_a_time_budget_stops_with_the_shards_built_and_a_later_run_finishes(tmp_
         replace(cfg, time_budget_s=-1.0).check()
 
 
-def test_a_time_budget_starts_no_shard_that_would_end_past_it(tmp_path, monkeypatch):
-    """The next shard is expected to take the run's mean shard time so far: with shards of 10 s and a 25-s budget the
-    third would end at 30 s, so two are built (a check of the time spent alone would start the third at 20 s)."""
+def test_a_time_budget_is_checked_before_each_shard(tmp_path, monkeypatch):
+    """With shards of 10 s a 15-s budget starts shards at 0 and 10 s (two built), a 25-s one at 0, 10 and 20 s
+    (three): the last shard may end past the budget, none starts after it."""
     items = [PromptItem(f"sharegpt:p{i}_0", f"Say something about {i}.", None, f"Something about {i}.")
-             for i in range(5)]
+             for i in range(8)]
     monkeypatch.setattr(data_mod, "parse_prompt_spec", lambda spec, split, max_chars, cache_dir: items)
     clock = [0.0]
     monkeypatch.setattr(data_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -232,11 +232,12 @@ def test_a_time_budget_starts_no_shard_that_would_end_past_it(tmp_path, monkeypa
         clock[0] += 10.0
 
     monkeypatch.setattr(data_mod, "_build_shard", ten_seconds)
-    out = tmp_path / "data"
     with single_thread():
-        build_data(_config(out, target="tiny-llama", prompts="sharegpt:5", shard_size=2, max_len=40,
-                           time_budget_s=25.0), target=tiny_target("tiny-llama"))
-    assert read_manifest(out)["budget"]["shards"] == 2 and len(FeatureData(out)) == 4
+        for budget, shards in ((15.0, 2), (25.0, 3)):
+            out = tmp_path / f"data-{budget:g}"
+            build_data(_config(out, target="tiny-llama", prompts="sharegpt:6", shard_size=2, max_len=40,
+                               time_budget_s=budget), target=tiny_target("tiny-llama"))
+            assert read_manifest(out)["budget"]["shards"] == shards and len(FeatureData(out)) == 2 * shards
 
 
 def test_other_target_is_rejected(built, tmp_path, fake_prompts, capsys):
