@@ -23,8 +23,9 @@ spread over the list), image and loss masks, and for sequences with an image the
 and received attention (zeros on text sequences: they only rank image tokens, and the eager
 attention they need makes the forward several times slower) (format: supernet/dataset.py).
 Shard i always holds prompts [i*S, (i+1)*S); complete shards are skipped on rerun (resume).
---time-budget-s starts no shard once this run has spent that much time: the folder is then complete with the shards built (the manifest's `budget` says how many of how many), and
-a later run builds the rest. A pipeline deadline uses it to share its time between data and training.
+--time-budget-s starts no shard once this run has spent that much time: the folder is then complete with the shards
+built (the manifest's `budget` says how many of how many), and a later run builds the rest. A pipeline deadline uses
+it to share its time between data and training.
 """
 
 from __future__ import annotations
