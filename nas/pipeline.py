@@ -33,7 +33,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from decode.targets.target import TargetModel
@@ -179,7 +179,7 @@ def data_stage(cfg: PipelineConfig, target: TargetModel, deadline: Deadline | No
             return out
         training_s = float(scale_defaults(cfg.scale, "train").get("time_budget_s") or 0.0)
         budget = deadline.data_budget(training_s) if deadline is not None else 0.0
-        data_cfg = _data_config(cfg, out, split="train", entropy_layer=entropy_layer(cfg, target), time_budget_s=budget)
+        data_cfg = replace(data_cfg, entropy_layer=entropy_layer(cfg, target), time_budget_s=budget)
         logger.warning("data stage: building %s-scale features of %s -> %s%s", cfg.scale, cfg.target, out,
                        f" (at most {budget:.0f} s of the deadline: the rest is training's)" if budget > 0 else "")
         return build_data(data_cfg, target=target)
@@ -298,8 +298,8 @@ class Deadline:
     export), is set aside, the data gets what the scale's own training budget does not need of what is left, at least
     `data_share` of it (Deadline.data_budget: it stops with the prompts built, never fewer than one shard), and
     training what the data left (Deadline.training_budget), never more than the scale's own budget and never less
-    than `floor_s`. Why share: on a slow machine the data stage built
-    448 sequences in 5.7 minutes of which training, left 1 minute, read 54 (MEASUREMENTS.md, 2026-12-07)."""
+    than `floor_s`. Why share: on a slow machine the data stage built 448 sequences in 5.7 minutes of which training,
+    left 1 minute, read 54 (MEASUREMENTS.md, 2026-12-07)."""
     total_s: float = 0.0
     after_s: float = 0.0
     start: float = 0.0
