@@ -45,7 +45,7 @@ import numpy as np
 from decode.arch import DraftArch, max_tree_nodes
 from decode.drafts.corpus import NgramCorpus
 from decode.drafts.merged import RULES, leaf_chains
-from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, lookup_nodes, trie
+from decode.drafts.prompt_lookup import LookupSpec, NgramIndex, pick_continuations, proposal_nodes, trie
 from hwprofile.latency import LatencyModel
 from nas.acceptance import Acceptance
 from nas.treesweep import Expansion, TreeSweep
@@ -148,28 +148,59 @@ def corpus_branches(seq: dict, corpus: NgramCorpus, depth: int, second: int) -> 
     return [corpus.branches(ids[max(0, r + 1 - corpus.max_n): r + 1], depth, second) for r in range(p, len(ids) - 1)]
 
 
-def lookup_roots(seq: dict, spec: LookupSpec, branches: list[list[list[int]]] | None = None) -> list[RootTrie]:
-    """The lookup trie at every root position p..t-2 of one FeatureData item (index: r - p); branches: the corpus
-    branches (corpus_branches) for a spec with corpus_depth > 0."""
+def lookup_matches(seq: dict, min_n: int, max_n: int) -> list[tuple[int, tuple[int, ...]]]:
+    """Lookup's n-gram match (NgramIndex.match: n and the earlier start positions) at every root position p..t-2 of
+    one FeatureData item (index r - p). Every lookup spec with this n-gram range shares them."""
     ids = seq["input_ids"].tolist()
-    p, cont = int(seq["prompt_len"]), expected_tokens(seq)
-    index = NgramIndex(spec.min_ngram, spec.max_ngram)
+    p = int(seq["prompt_len"])
+    index = NgramIndex(min_n, max_n)
     index.extend(ids[:p])
-    if spec.corpus_depth and branches is None:
-        raise ValueError("a lookup spec with corpus_depth > 0 needs the corpus branches")
     out = []
     for r in range(p, len(ids) - 1):
-        tokens, parents, _ = lookup_nodes(index, ids[r], spec, spec.tree, spec.top_k,
-                                          branches=branches[r - p] if spec.corpus_depth else None)
+        n, starts = index.match(ids[r])
+        out.append((n, tuple(starts)))  # a snapshot: the index's list grows with the history
+        index.extend([ids[r]])
+    return out
+
+
+class LookupRoots:
+    """Lookup's proposal (RootTrie) at the root positions of one held-out sequence, built when the replay first asks
+    for one (it visits one root per cycle, not all of them) from the shared n-gram matches (lookup_matches)."""
+
+    def __init__(self, ids: list[int], p: int, cont: list[int], spec: LookupSpec,
+                 matches: list[tuple[int, tuple[int, ...]]], branches: list[list[list[int]]] | None = None):
+        """ids: the sequence's tokens, p its prompt length, cont its expected_tokens; matches: lookup_matches of
+        the spec's n-gram range; branches: the corpus branches (corpus_branches) for a spec with corpus_depth."""
+        if spec.corpus_depth and branches is None:
+            raise ValueError("a lookup spec with corpus_depth > 0 needs the corpus branches")
+        self.ids, self.p, self.cont = ids, p, cont
+        self.spec, self.matches, self.branches = spec, matches, branches
+        self._tries: dict[int, RootTrie] = {}
+
+    def __len__(self) -> int:
+        return len(self.matches)
+
+    def __getitem__(self, k: int) -> RootTrie:
+        """The proposal at root position p + k."""
+        got = self._tries.get(k)
+        if got is None:
+            got = self._tries[k] = self._build(k)
+        return got
+
+    def _build(self, k: int) -> RootTrie:
+        spec, ids, cont, r = self.spec, self.ids, self.cont, self.p + k
+        n, starts = self.matches[k]
+        conts = pick_continuations(ids, r, ids[r], n, starts, spec.max_ngram, spec.tree_depth, spec.top_k,
+                                   spec.weak_depth)
+        tokens, parents, _ = proposal_nodes(ids[r], conts, spec, spec.total_tokens,
+                                            self.branches[k] if spec.corpus_depth else None)
         node, d = 0, 0
         while r + d + 1 < len(cont):
             nxt = next((c for c in range(1, len(tokens)) if parents[c] == node and tokens[c] == cont[r + d + 1]), None)
             if nxt is None:
                 break
             node, d = nxt, d + 1
-        out.append(RootTrie(tokens, parents, d))
-        index.extend([ids[r]])
-    return out
+        return RootTrie(tokens, parents, d)
 
 
 def new_lookup_nodes(exp: Expansion, kept: set[int], look: RootTrie, max_depth: int,
@@ -283,7 +314,8 @@ class KindScorer:
         self.latency, self.context = latency, context
         self.lookup_ms = (0.0 if latency is None else measure_lookup_ms(int(context))) if lookup_ms is None \
             else lookup_ms
-        self._roots: dict[LookupSpec, list[list[RootTrie]]] = {}
+        self._roots: dict[LookupSpec, list[LookupRoots]] = {}
+        self._matches: dict[tuple[int, int], list[list[tuple[int, tuple[int, ...]]]]] = {}  # per n-gram range
         self.corpus = corpus
         self._branches: list[list[list[list[int]]]] = []  # per sequence and root: the corpus branches, _depths deep
         self._depths = (0, 0)  # (first, second) branch lengths the stored branches hold
@@ -292,7 +324,7 @@ class KindScorer:
         self.early_exit = early_exit
         self._exits: dict[int, list[list[int]]] = {}
 
-    def roots(self, spec: LookupSpec) -> list[list[RootTrie]]:
+    def roots(self, spec: LookupSpec) -> list[LookupRoots]:
         if spec not in self._roots:
             if spec.corpus_depth and self.corpus is None:
                 raise ValueError("lookup spec with a corpus branch, but the scorer has no corpus")
@@ -301,8 +333,12 @@ class KindScorer:
                 self._depths = (max(spec.corpus_depth, *(c for c, _ in CORPUS_BRANCHES)),
                                 max(spec.corpus_second, *(s for _, s in CORPUS_BRANCHES)))
                 self._branches = [corpus_branches(s, self.corpus, *self._depths) for s in self.seqs]
-            self._roots[spec] = [lookup_roots(s, spec, self._branches[i] if spec.corpus_depth else None)
-                                 for i, s in enumerate(self.seqs)]
+            ngrams = (spec.min_ngram, spec.max_ngram)
+            if ngrams not in self._matches:
+                self._matches[ngrams] = [lookup_matches(s, *ngrams) for s in self.seqs]
+            self._roots[spec] = [LookupRoots(self.ids[i], self.bounds[i][0], self.conts[i], spec,
+                                             self._matches[ngrams][i], self._branches[i] if spec.corpus_depth else None)
+                                 for i in range(len(self.seqs))]
         return self._roots[spec]
 
     def lookup_cost_ms(self, spec: LookupSpec) -> float:

@@ -50,6 +50,9 @@ NAS_DEFAULTS = {"trials": 40, "heldout": 4, "quick_profile": False, "finetune_st
                 # after_training_s, the measured length of the stages after them: training's own budget first, the
                 # rest, at least data_share of it, to the data (Deadline)
                 "deadline_s": 0, "after_training_s": 0, "data_share": 0.25,
+                # under a deadline, no new trial starts once only confirm_s are left (the confirmation on every
+                # held-out sequence, the table, the export), once min_trials archs are scored (Deadline.trials_end)
+                "confirm_s": 0, "min_trials": 3,
                 "kinds_top": 3,
                 "heldout_data": {"prompts": "sharegpt:4,images:1", "mode": "regenerate", "max_len": 512,
                                  "max_new_tokens": 64, "max_prompt_chars": 600,
@@ -319,6 +322,11 @@ class Deadline:
         left = self.left()
         rest = left - training_s if training_s > 0 else 0.0
         return max(self.floor_s, self.data_share * left, rest)
+
+    def trials_end(self, confirm_s: float) -> float | None:
+        """time.perf_counter() after which no new trial starts, so that the `confirm_s` seconds of the stages after
+        the trials (confirmation, table, export) end by the deadline; None: no deadline."""
+        return self.start + self.total_s - confirm_s if self.total_s > 0 else None
 
     def training_budget(self, configured_s: float, trained_s: float = 0.0) -> float:
         """Seconds of training (a total: a resumed run's `trained_s` so far included) for a scale budget of

@@ -161,6 +161,7 @@ class Inputs:
     corpus: object | None = None  # the NgramCorpus of corpus-lookup branches (decode/drafts/corpus.py), None: none
     corpus_path: str | None = None  # its file (exported with a design that uses it)
     pipeline: object | None = None  # the nas.pipeline.PipelineConfig whose stages built these inputs, else None
+    trials_end: float | None = None  # time.perf_counter() after which no new trial starts (the deadline), None: none
 
 
 def prepare_inputs(cfg: SearchConfig, started: float | None = None) -> Inputs:
@@ -194,7 +195,7 @@ def prepare_inputs(cfg: SearchConfig, started: float | None = None) -> Inputs:
     # the scale's space as it is now in the pipeline (a cached supernet may predate new trees), --space where given,
     # else the given supernet's (after it loads)
     space = SearchSpace.load(pcfg.space_name) if cfg.supernet is None or cfg.space is not None else None
-    choice = answers = None
+    choice = answers = trials_end = None
     if ckpt is None:  # the pipeline: cached (or freshly built) stages, data and training last (nas.pipeline.Deadline)
         deadline = pipeline.Deadline(float(defaults["deadline_s"]), float(defaults["after_training_s"]), start,
                                      data_share=float(defaults["data_share"]))
@@ -208,6 +209,7 @@ def prepare_inputs(cfg: SearchConfig, started: float | None = None) -> Inputs:
                                             search_space=space)
         data_dir = pipeline.data_stage(pcfg, target, deadline)
         ckpt = str(pipeline.supernet_stage(pcfg, data_dir, deadline))
+        trials_end = deadline.trials_end(float(defaults["confirm_s"]))
     supernet, state = load_supernet(ckpt, target)
     space = space if space is not None else supernet.space
     space.check_target(target.num_layers, target.vocab_size)
@@ -236,20 +238,29 @@ def prepare_inputs(cfg: SearchConfig, started: float | None = None) -> Inputs:
     return Inputs(target, ckpt, supernet, state, space, None if heldout_data else n_heldout, held, choice, defaults,
                   trial_seqs, finetune_data=cfg.finetune_data, corpus=corpus,
                   corpus_path=str(corpus_path) if corpus_path is not None else None,
-                  pipeline=pcfg if cfg.supernet is None else None)
+                  pipeline=pcfg if cfg.supernet is None else None, trials_end=trials_end)
 
 
-def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3) -> int:
+def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3, until: float | None = None,
+               min_new: int = 1) -> int:
     """study.optimize until `n_trials` *new* archs are scored, with a tqdm bar; -> trials run.
 
     A trial that re-proposes an arch already scored (samplers do, on small categorical spaces) costs
     next to nothing (cached tau) and is not counted, so --trials N scores N distinct archs; at most
-    max_factor * N trials run in all, should the sampler keep repeating itself.
+    max_factor * N trials run in all, should the sampler keep repeating itself. `until` (time.perf_counter(), a
+    deadline): once `min_new` new archs are scored, no trial starts that would end after it at the mean pace of
+    this run's new archs so far.
     """
     import optuna
     from tqdm import tqdm
 
     new, ran = 0, 0
+    began = time.perf_counter()
+
+    def out_of_time() -> bool:
+        now = time.perf_counter()
+        return until is not None and new >= min_new and now + (now - began) / max(1, new) > until
+
     with tqdm(total=n_trials, desc=label, unit="arch", disable=None) as bar:
         def tick(study_: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
             nonlocal new, ran
@@ -261,6 +272,10 @@ def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3)
                 bar.set_postfix(tau=trial.user_attrs.get("tau"), speedup=round(trial.user_attrs["speedup"], 3))
             if new >= n_trials:
                 study_.stop()
+            elif out_of_time():
+                logger.warning("the deadline leaves no time for more trials: %d new archs scored of %d asked", new,
+                               n_trials)
+                study_.stop()
 
         for _ in range(max_factor * n_trials):
             try:
@@ -271,9 +286,9 @@ def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3)
                     raise
                 ran += 1  # the other worker recorded the same arch's result; this worker goes on
                 logger.warning("a queued trial was also run by another worker, which finished it first; continuing")
-            if new >= n_trials or ran >= max_factor * n_trials:
+            if new >= n_trials or ran >= max_factor * n_trials or out_of_time():
                 break
-    if new < n_trials:
+    if new < n_trials and not out_of_time():
         logger.warning("the sampler kept re-proposing scored archs: %d new of %d asked in %d trials", new, n_trials,
                        ran)
     return ran
@@ -557,7 +572,8 @@ def run_search(cfg: SearchConfig, started: float | None = None) -> SearchResult:
                 choice.hardware, choice.how, choice.path, objective.context, len(inp.trial_seqs), len(held.sequences),
                 f", {seeded} cached taus" if seeded else "")
     objective.seed_proposals(study)
-    ran = run_trials(study, objective, n_trials, f"nas {choice.hardware}")
+    ran = run_trials(study, objective, n_trials, f"nas {choice.hardware}", until=inp.trials_end,
+                     min_new=int(inp.defaults["min_trials"]))
 
     title = (f"{target.name} on {choice.hardware} ({'predicted' if latency.predicted else 'measured'} profile), "
              f"study {study_name}")

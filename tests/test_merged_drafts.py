@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from test_speculative_sampling import SharpFullDraft, _joint_counts, _joint_targ
 from decode.arch import TreeSpec
 from decode.drafts import LookupSpec, MergedDraft, NoDraft, PromptLookupDraft, make_draft
 from decode.drafts.kinds import load_draft_dir, save_training_free
-from decode.drafts.prompt_lookup import NgramIndex
+from decode.drafts.prompt_lookup import NgramIndex, pick_continuations
 from decode.errors import UserError
 from decode.loop.sampling import SamplingConfig
 from decode.loop.speculative import speculative_generate
@@ -61,6 +62,44 @@ def test_weak_matches_get_the_short_branch():
     assert idx.continuations(5, 1, 1, weak_depth=2) == [[6]]  # never longer than the depth asked for
     with pytest.raises(UserError, match="weak_depth"):
         LookupSpec(tree_depth=2, total_tokens=2, weak_depth=3)
+
+
+def _continuations_by_full_scan(hist, root, min_n, max_n, depth, limit, weak_depth):
+    """The lookup rule (module docstring of decode.drafts.prompt_lookup) by brute force: every occurrence scanned."""
+    seq = hist + [root]
+    for n in range(min(max_n, len(hist)), min_n - 1, -1):
+        d = min(depth, weak_depth) if n < max_n and weak_depth else depth
+        found = []
+        for s in range(len(hist) - n, -1, -1):  # newest first; the occurrence ends before the suffix
+            if seq[s:s + n] == seq[-n:]:
+                cont = seq[s + n: s + n + d]
+                if cont and cont not in found:
+                    found.append(cont)
+        if found:
+            best = max(len(c) for c in found)
+            return ([c for c in found if len(c) == best] + [c for c in found if len(c) < best])[:limit]
+    return []
+
+
+def test_lookup_continuations_equal_a_full_scan_on_random_histories():
+    # the index stops scanning once `limit` full-length continuations are found; it must pick what a full scan picks
+    rng = random.Random(0)
+    for trial in range(300):
+        vocab = rng.choice([3, 5, 20])  # small vocabularies: many repeats, ties and short matches near the end
+        hist = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        root = rng.randrange(vocab)
+        min_n = rng.choice([1, 2])
+        max_n = rng.choice([min_n, 3, 4])
+        depth, limit, weak = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3]), rng.choice([0, 1, 2])
+        weak = min(weak, depth)
+        idx = NgramIndex(min_n, max_n)
+        idx.extend(hist)
+        want = _continuations_by_full_scan(hist, root, min_n, max_n, depth, limit, weak)
+        assert idx.continuations(root, depth, limit, weak) == want, (trial, hist, root)
+        # the replay's form: the whole sequence given, the history cut at r
+        n, starts = idx.match(root)
+        assert pick_continuations(hist + [root] + [rng.randrange(vocab) for _ in range(5)], len(hist), root, n,
+                                  tuple(starts), max_n, depth, limit, weak) == want
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-llava", "tiny-qwen2.5-vl"])

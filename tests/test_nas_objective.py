@@ -280,6 +280,40 @@ def test_an_arch_another_worker_scored_is_taken_from_the_study_not_scored_again(
     assert calls == []  # no replay
 
 
+def test_run_trials_starts_no_new_trial_after_the_deadline_once_the_minimum_is_scored(monkeypatch):
+    """Under a pipeline deadline (nas.pipeline.Deadline.trials_end) no trial starts that would end after `until` at
+    the pace so far, but the trials never stop before `min_new` archs are scored (the EAGLE-like default and the
+    space's corners the table needs)."""
+    import time
+
+    from nas import pipeline
+    from nas.search import run_trials
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def slow(objective):  # each trial takes 10 s of the fake clock
+        def run(trial):
+            clock[0] += 10.0
+            return objective(trial)
+        return run
+
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    # the deadline already passed: exactly the minimum is scored
+    assert run_trials(study, slow(_objective(GPU)), n_trials=8, label="t", until=50.0, min_new=3) == 3
+    # 25 s left at 10 s per arch: trials at 100 and 110; one starting at 120 would end at 130, after the deadline
+    clock[0] = 100.0
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    assert run_trials(study, slow(_objective(GPU)), n_trials=8, label="t", until=125.0, min_new=1) == 2
+    # no deadline: every trial asked for
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    assert run_trials(study, slow(_objective(GPU)), n_trials=5, label="t") == 5
+    # the pipeline's deadline: trials end confirm_s before it; none without a deadline
+    assert pipeline.Deadline(total_s=1200, start=7.0).trials_end(150.0) == 1057.0
+    assert pipeline.Deadline().trials_end(150.0) is None
+
+
 def test_run_trials_goes_on_when_another_worker_finished_its_queued_trial(monkeypatch):
     from nas.search import run_trials
 

@@ -135,27 +135,46 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.where.setdefault(tuple(self.seq[end - n:]), []).append(end - n)
 
+    def match(self, root: int) -> tuple[int, list[int]]:
+        """(n, start positions) of the longest n-gram (max_n down to min_n) ending in history + [root] that occurred
+        before, or (0, []). The positions list is the index's own (it grows with extend): read it before extending."""
+        hist = self.seq
+        end = len(hist) + 1
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            starts = self.where.get((*hist[end - n:], root))
+            if starts:  # the root is not indexed: every occurrence ends before the suffix itself
+                return n, starts
+        return 0, []
+
     def continuations(self, root: int, depth: int, limit: int, weak_depth: int = 0) -> list[list[int]]:
         """Up to `limit` distinct continuations of the history + [root], best first (module docstring), of at
         most `depth` tokens, or `weak_depth` (when > 0) after a match shorter than max_n."""
-        hist = self.seq  # the root follows it; not copied (this runs every cycle)
-        end = len(hist) + 1
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            if n < self.max_n and weak_depth:
-                depth = min(depth, weak_depth)
-            starts = self.where.get((*hist[end - n:], root), [])
-            # occurrences that end before the suffix itself (the root is not indexed: all of them do)
-            found: list[list[int]] = []
-            for s in reversed(starts):
-                a, b = s + n, s + n + depth
-                cont = hist[a:b] + ([root] if b > len(hist) >= a else [])  # history + [root], sliced
-                if cont and cont not in found:
-                    found.append(cont)
-            if found:
-                best = max(len(c) for c in found)
-                found.sort(key=lambda c: len(c) < best)  # stable: full-length newest first, then the rest
-                return found[:limit]
+        n, starts = self.match(root)
+        return pick_continuations(self.seq, len(self.seq), root, n, starts, self.max_n, depth, limit, weak_depth)
+
+
+def pick_continuations(seq: list[int], r: int, root: int, n: int, starts, max_n: int, depth: int, limit: int,
+                       weak_depth: int = 0) -> list[list[int]]:
+    """NgramIndex.continuations from its match (n, starts) at root position r: seq[:r] is the history (seq may go on
+    past it: the search's replay passes whole held-out sequences), `root` follows it. Shared by the draft and the
+    search's replay (nas/kinds.py), which matches once per n-gram range and picks once per branch shape."""
+    if not n:
         return []
+    if n < max_n and weak_depth:
+        depth = min(depth, weak_depth)
+    found: list[list[int]] = []
+    full = 0
+    for s in reversed(starts):  # newest first
+        a, b = s + n, s + n + depth
+        cont = seq[a:min(b, r)] + ([root] if b > r >= a else [])  # history + [root], sliced
+        if cont and cont not in found:
+            found.append(cont)
+            full += len(cont) == depth
+            if full == limit:  # `limit` full-length ones, newest first: what the sort below would keep
+                break
+    best = max((len(c) for c in found), default=0)
+    found.sort(key=lambda c: len(c) < best)  # stable: full-length newest first, then the rest
+    return found[:limit]
 
 
 def lookup_trie(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec, top_k: int,
@@ -172,13 +191,20 @@ def lookup_nodes(index: NgramIndex, root: int, spec: LookupSpec, tree: TreeSpec,
     it (`branches`: those computed already by NgramCorpus.branches, at least as deep as the spec asks). The one
     function both the draft (lookup_trie) and the search's replay (nas/kinds.py) call, so the replay is exact."""
     conts = index.continuations(root, tree.tree_depth, top_k, spec.weak_depth)
+    if spec.corpus_depth and branches is None and corpus is not None:
+        branches = corpus.branches(index.seq[-corpus.max_n:] + [root], spec.corpus_depth, spec.corpus_second)
+    return proposal_nodes(root, conts, spec, tree.total_tokens, branches)
+
+
+def proposal_nodes(root: int, conts: list[list[int]], spec: LookupSpec, total_tokens: int,
+                   branches: list[list[int]] | None) -> tuple[list[int], list[int], int]:
+    """lookup_nodes from the continuations picked already: their trie, and with spec.corpus_depth the corpus branches
+    (`branches`, None: none) beside it."""
     extra: list[list[int]] = []
-    if spec.corpus_depth and (branches is not None or corpus is not None):
-        if branches is None:
-            branches = corpus.branches(index.seq[-corpus.max_n:] + [root], spec.corpus_depth, spec.corpus_second)
+    if spec.corpus_depth and branches is not None:
         extra = [branches[0][: spec.corpus_depth]] + [b[: spec.corpus_second] for b in branches[1:2]
                                                       if spec.corpus_second]
-    return trie_nodes(root, conts, tree.total_tokens, extra)
+    return trie_nodes(root, conts, total_tokens, extra)
 
 
 class PromptLookupDraft(Draft):
