@@ -177,9 +177,6 @@ class LookupRoots:
         self.spec, self.matches, self.branches = spec, matches, branches
         self._tries: dict[int, RootTrie] = {}
 
-    def __len__(self) -> int:
-        return len(self.matches)
-
     def __getitem__(self, k: int) -> RootTrie:
         """The proposal at root position p + k."""
         got = self._tries.get(k)

@@ -256,10 +256,13 @@ def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3,
 
     new, ran = 0, 0
     began = time.perf_counter()
+    timed_out = False  # stopped by the deadline (not by the sampler repeating itself)
 
     def out_of_time() -> bool:
+        nonlocal timed_out
         now = time.perf_counter()
-        return until is not None and new >= min_new and now + (now - began) / max(1, new) > until
+        timed_out = until is not None and new >= min_new and now + (now - began) / max(1, new) > until
+        return timed_out
 
     with tqdm(total=n_trials, desc=label, unit="arch", disable=None) as bar:
         def tick(study_: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -288,7 +291,7 @@ def run_trials(study, objective, n_trials: int, label: str, max_factor: int = 3,
                 logger.warning("a queued trial was also run by another worker, which finished it first; continuing")
             if new >= n_trials or ran >= max_factor * n_trials or out_of_time():
                 break
-    if new < n_trials and not out_of_time():
+    if new < n_trials and not timed_out:
         logger.warning("the sampler kept re-proposing scored archs: %d new of %d asked in %d trials", new, n_trials,
                        ran)
     return ran
