@@ -295,6 +295,20 @@ def test_eagle_role_trains_the_eagle_like_default_every_or_every_other_step():
         config_from_args(build_parser().parse_args(["--target", "t", "--data", "d", "--eagle-role", "always"]))
 
 
+def test_demo_scale_trains_the_largest_the_smallest_and_the_eagle_like_default_every_step():
+    """At demo scale (a few hundred steps) each step's three passes go to the three subnets the search scores first:
+    no random subnet, the EAGLE-like default every step (README, "Which subnets a demo step trains")."""
+    from supernet.train import TrainConfig, sandwich, scale_defaults
+
+    demo = scale_defaults("demo", "train")
+    cfg = TrainConfig(target="t", data="d", out="o", n_random=demo["n_random"], eagle_role=demo["eagle_role"])
+    net = DraftSupernet(SearchSpace.load("tiny"), TargetDims.of(tiny_target("tiny-llama")), 1)
+    space = net.space
+    for step in range(4):
+        assert sandwich(net, step, cfg) == [("largest", space.largest(1)), ("smallest", space.smallest(1)),
+                                            ("eagle", space.eagle_like(1))]
+
+
 def test_repeated_sandwich_networks_train_once_with_the_same_gradient():
     """A one-network space (largest = smallest = sample, as space eagle) used to run three identical forward and
     backward passes per step; distinct_roles merges them into one pass weighted by its count, which must give the
