@@ -200,8 +200,8 @@ def test_torchrun_two_processes(data_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
            "-m", "supernet.train", "--target", TARGET, "--data", str(data_dir), "--space", "tiny", "--steps", "2",
-           "--ckpt-every", "2", "--unroll", "1", "--n-random", "1", "--val-sequences", "0", "--out", str(out),
-           "--device", "cpu"]
+           "--ckpt-every", "2", "--unroll", "1", "--n-random", "1", "--eagle-role", "off", "--val-sequences", "0",
+           "--out", str(out), "--device", "cpu"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     state = json.loads((out / "checkpoint" / ckpt.STATE).read_text())
