@@ -1,6 +1,8 @@
 """The whole pipeline at one scale, for `python -m nas.search` without a supernet: held-out data -> answers -> profile
 -> data -> supernet -> corpus (nas.search.prepare_inputs). Data and training come after every stage of a fixed amount
-of work so that a scale's deadline (nas.deadline_s) can share what the machine leaves between them (Deadline).
+of work so that a scale's deadline (nas.deadline_s) can share what the machine leaves between them (Deadline), and
+the first of those, the held-out data, times the machine: where it runs faster than the one the time set aside after
+training was measured on, less is set aside and training gets the rest (Deadline.paced).
 
 Everything goes under one run folder, by default
 
@@ -53,6 +55,10 @@ NAS_DEFAULTS = {"trials": 40, "heldout": 4, "quick_profile": False, "finetune_st
                 # under a deadline, no new trial starts once only confirm_s are left (the confirmation on every
                 # held-out sequence, the table, the export), once min_trials archs are scored (Deadline.trials_end)
                 "confirm_s": 0, "min_trials": 3,
+                # the held-out stage's tokens per second on the machine after_training_s and confirm_s were measured on
+                # (0: none): a machine that builds it faster sets aside less for the stages after training
+                # (Deadline.paced)
+                "pace_tokens_per_s": 0,
                 "kinds_top": 3,
                 "heldout_data": {"prompts": "sharegpt:4,images:1", "mode": "regenerate", "max_len": 512,
                                  "max_new_tokens": 64, "max_prompt_chars": 600,
@@ -300,17 +306,44 @@ class Deadline:
     before the search and, once `after_s`, the measured length of the stages after them (corpus, trials, table,
     export), is set aside, the data gets what the scale's own training budget does not need of what is left, at least
     `data_share` of it (Deadline.data_budget: it stops with the prompts built, never fewer than one shard), and
-    training what the data left (Deadline.training_budget), never more than the scale's own budget and never less
-    than `floor_s`. Why share: on a slow machine the data stage built 448 sequences in 5.7 minutes of which training,
-    left 1 minute, read 54 (MEASUREMENTS.md, 2026-12-07)."""
+    training all that the data left (Deadline.training_budget: on a machine where the data stage builds every prompt
+    before its budget, training takes the rest, not only the scale's own budget), never less than `floor_s`. Why
+    share: on a slow machine the data stage built 448 sequences in 5.7 minutes of which training, left 1 minute, read
+    54 (MEASUREMENTS.md, 2026-12-07).
+
+    `pace` scales the time set aside after training (`after_s`, and the trials' `confirm_s`): those stages are fixed
+    work whose length follows the machine's speed, and `after_s` was measured on a slow one. Deadline.paced sets it
+    from the held-out stage, fixed work that runs first: an AVX-512 VM built the demo's held-out set in 0.65 of the
+    slow VM's time and ran the stages after training in 0.64 of it, leaving 2.5 of the 20 minutes unused."""
     total_s: float = 0.0
     after_s: float = 0.0
     start: float = 0.0
     floor_s: float = 60.0
     data_share: float = 0.25
+    pace: float = 1.0  # this machine's time for fixed work over the reference machine's, in [MIN_PACE, 1]
+
+    # never set aside less than 0.7 of what the reference machine needed: the stages after training are partly Python
+    # (trials and confirmation replay trees), which a faster SIMD unit speeds less than the held-out stage's matmuls:
+    # on the AVX-512 VM at a held-out pace of 0.59 the confirmation, table and export took 107 s against 157 measured
+    # on the reference machine (0.68), and the demo ended 0.5 s past its 20 minutes
+    MIN_PACE = 0.7
+    MIN_PACE_TOKENS = 4096  # less fixed work than this (a resumed stage's last shard) is too little to time
+
+    def paced(self, tokens: int, seconds: float, reference_tokens_per_s: float) -> "Deadline":
+        """This deadline with its pace measured: `tokens` of held-out data built in `seconds` here, against
+        `reference_tokens_per_s` on the machine `after_s` was measured on (0: no reference, pace 1). Only ever faster
+        than the reference (a pace below 1): on a slower machine the reserve stays as measured."""
+        if self.total_s <= 0 or reference_tokens_per_s <= 0 or tokens < self.MIN_PACE_TOKENS or seconds <= 0:
+            return self
+        pace = min(1.0, max(self.MIN_PACE, reference_tokens_per_s * seconds / tokens))
+        return replace(self, pace=pace)
+
+    def reserved(self) -> float:
+        """Seconds set aside for the stages after training on this machine."""
+        return self.after_s * self.pace
 
     def left(self) -> float:
-        return self.total_s - (time.perf_counter() - self.start) - self.after_s
+        return self.total_s - (time.perf_counter() - self.start) - self.reserved()
 
     def data_budget(self, training_s: float = 0.0) -> float:
         """Seconds of data building (0: no deadline, every prompt): what training's own budget `training_s` (0: none)
@@ -324,17 +357,26 @@ class Deadline:
         return max(self.floor_s, self.data_share * left, rest)
 
     def trials_end(self, confirm_s: float) -> float | None:
-        """time.perf_counter() after which no new trial starts, so that the `confirm_s` seconds of the stages after
-        the trials (confirmation, table, export) end by the deadline; None: no deadline."""
-        return self.start + self.total_s - confirm_s if self.total_s > 0 else None
+        """time.perf_counter() after which no new trial starts, so that the `confirm_s` seconds (at this machine's
+        pace) of the stages after the trials (confirmation, table, export) end by the deadline; None: no deadline."""
+        return self.start + self.total_s - confirm_s * self.pace if self.total_s > 0 else None
 
     def training_budget(self, configured_s: float, trained_s: float = 0.0) -> float:
         """Seconds of training (a total: a resumed run's `trained_s` so far included) for a scale budget of
-        `configured_s` (0: none)."""
+        `configured_s` (0: none): without a deadline the scale's own; under one all that is left, the scale's own
+        budget having already claimed its part against the data (data_budget)."""
         if self.total_s <= 0:
             return configured_s
-        fit = max(self.floor_s, trained_s + self.left())
-        return min(configured_s, fit) if configured_s > 0 else fit
+        return max(self.floor_s, trained_s + self.left())
+
+
+def built_tokens(folder: Path) -> int:
+    """Tokens in the complete shards of a data folder (supernet.data's manifest; 0 where there is none yet)."""
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_text())
+        return sum(int(s.get("tokens", 0)) for s in manifest.get("shards", []) if s.get("complete"))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0
 
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path, deadline: Deadline = Deadline()) -> Path:
@@ -382,7 +424,7 @@ def supernet_stage(cfg: PipelineConfig, data_dir: Path, deadline: Deadline = Dea
             logger.warning("supernet stage: training a %s-scale supernet for %s -> %s", cfg.scale, cfg.target, out)
         budget = deadline.training_budget(train_cfg.time_budget_s, trained)
         if budget != train_cfg.time_budget_s:
-            logger.warning("supernet stage: %.0f s of training fit the %s scale's %.0f-minute deadline (its own "
+            logger.warning("supernet stage: %.0f s of training under the %s scale's %.0f-minute deadline (its own "
                            "budget: %s)", budget, cfg.scale, deadline.total_s / 60,
                            f"{train_cfg.time_budget_s:.0f} s" if train_cfg.time_budget_s > 0 else "none")
             train_cfg = TrainConfig(**{**asdict(train_cfg), "time_budget_s": budget})

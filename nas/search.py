@@ -200,7 +200,16 @@ def prepare_inputs(cfg: SearchConfig, started: float | None = None) -> Inputs:
         deadline = pipeline.Deadline(float(defaults["deadline_s"]), float(defaults["after_training_s"]), start,
                                      data_share=float(defaults["data_share"]))
         pipeline.begin(pcfg)
-        heldout_data = heldout_data or str(pipeline.heldout_stage(pcfg, target))
+        if heldout_data is None:  # fixed work: how long it takes here paces the time set aside after training
+            before, began = pipeline.built_tokens(pcfg.run_dir / "heldout"), time.perf_counter()
+            heldout_data = str(pipeline.heldout_stage(pcfg, target))
+            built, took = pipeline.built_tokens(heldout_data) - before, time.perf_counter() - began
+            reference = float(defaults["pace_tokens_per_s"])
+            deadline = deadline.paced(built, took, reference)
+            if deadline.pace < 1:
+                logger.info("this machine built the held-out data at %.0f tokens/s (%.0f on the machine the deadline's "
+                            "reserve was measured on): %.0f s set aside for the stages after training, not %.0f",
+                            built / took, reference, deadline.reserved(), deadline.after_s)
         if cfg.corpus is None:  # the corpus's own answers (counted after training, with the rest: corpus_stage)
             answers = pipeline.answers_stage(pcfg, target)
         if cfg.profile is None:  # new profiles go to the run folder

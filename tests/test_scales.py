@@ -204,9 +204,9 @@ def test_pipeline_retrains_a_cached_supernet_of_another_space(tmp_path, monkeypa
 
 
 def test_the_pipeline_deadline_shortens_training_to_what_the_other_stages_left(tmp_path, monkeypatch):
-    """nas.pipeline.Deadline: training gets the deadline minus the time gone and the stages after it, at most the
-    scale's own budget, at least the floor; a resumed run's training so far counts towards it; supernet_stage trains
-    with that budget."""
+    """nas.pipeline.Deadline: training gets the deadline minus the time gone and the stages after it (all of it, also
+    past the scale's own budget, which only claims its part against the data), at least the floor; a resumed run's
+    training so far counts towards it; supernet_stage trains with that budget."""
     import time
 
     import supernet.train as train_mod
@@ -217,7 +217,7 @@ def test_the_pipeline_deadline_shortens_training_to_what_the_other_stages_left(t
     d = Deadline(total_s=1200, after_s=280, start=now - 780)  # 13 minutes gone, 4:40 set aside: 140 s left
     assert 130 < d.training_budget(270) <= 140
     assert 130 < d.training_budget(0) <= 140  # no budget of the scale's own: the deadline's
-    assert d.training_budget(100) == 100  # the scale's own budget where it is shorter
+    assert 130 < d.training_budget(100) <= 140  # more than the scale's own where the deadline leaves more
     assert 230 < d.training_budget(270, trained_s=100) <= 240  # resumed after 100 s of training
     assert Deadline(1200, 280, now - 1190).training_budget(270) == 60  # past the deadline: the floor
     cfg = PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path))
@@ -229,6 +229,77 @@ def test_the_pipeline_deadline_shortens_training_to_what_the_other_stages_left(t
     assert 130 < calls.pop().time_budget_s <= 140
     supernet_stage(PipelineConfig(target="tiny-llava", scale="smoke", root=str(tmp_path), cache_dir="/c"), tmp_path)
     assert calls.pop().cache_dir == "/c"  # the target is loaded from the run's cache, not the default one
+
+
+def test_the_deadline_paces_the_time_set_aside_after_training_by_the_heldout_stage(tmp_path):
+    """Deadline.paced: a machine that builds the held-out data faster than the reference machine (where after_s and
+    confirm_s were measured) sets aside proportionally less for the stages after training, never under 0.7 and never
+    more than measured; too little timed work, no reference or no deadline leave the pace at 1. built_tokens counts the
+    complete shards of a data folder's manifest."""
+    import time
+
+    from nas.pipeline import Deadline, built_tokens
+
+    now = time.perf_counter()
+    d = Deadline(total_s=1200, after_s=300, start=now - 600)  # 600 s gone, 300 set aside: 300 s left
+    fast = d.paced(tokens=36000, seconds=320, reference_tokens_per_s=90)  # 112.5 tokens/s against 90
+    assert abs(fast.pace - 0.8) < 1e-9 and abs(fast.reserved() - 240) < 1e-6
+    assert 355 < fast.left() <= 360 and 355 < fast.training_budget(270) <= 360  # training takes the 60 s freed
+    assert abs(fast.trials_end(150) - (d.start + 1200 - 120)) < 1e-6  # the confirmation's reserve at the same pace
+    assert d.paced(36000, 600, 90).pace == 1.0  # slower than the reference: the reserve stays as measured
+    assert d.paced(36000, 60, 90).pace == Deadline.MIN_PACE == 0.7  # never under 0.7
+    assert d.paced(1000, 1, 90) is d and d.paced(36000, 240, 0) is d  # too little work to time; no reference
+    assert Deadline().paced(36000, 240, 90).pace == 1.0 and Deadline().training_budget(270) == 270  # no deadline
+    assert built_tokens(tmp_path / "none") == 0
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": [{"tokens": 300, "complete": True},
+                                                                   {"tokens": 50, "complete": False},
+                                                                   {"tokens": 20, "complete": True}]}))
+    assert built_tokens(tmp_path) == 320
+    (tmp_path / "manifest.json").write_text("[1, 2")
+    assert built_tokens(tmp_path) == 0
+
+
+def test_the_search_paces_its_deadline_by_the_heldout_stage_it_built(tmp_path, monkeypatch):
+    """nas.search's pipeline times the held-out stage it builds (the tokens of the shards built in this run) and hands
+    the paced deadline to the data and training stages; a reused held-out stage leaves the pace at 1."""
+    from nas import pipeline, search
+
+    seen = []
+    clock = iter(float(x) for x in range(0, 10**6, 120))  # every perf_counter() call 120 s later
+
+    def heldout(cfg, target):
+        out = cfg.run_dir / "heldout"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "manifest.json").write_text(json.dumps({"shards": [{"tokens": 20000, "complete": True}]}))
+        return out
+
+    class Stop(Exception):
+        pass
+
+    def data_stage(cfg, target, deadline):
+        seen.append(deadline)
+        raise Stop
+
+    monkeypatch.setattr(search.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(pipeline, "begin", lambda cfg: None)
+    monkeypatch.setattr(pipeline, "heldout_stage", heldout)
+    monkeypatch.setattr(pipeline, "answers_stage", lambda cfg, target: None)
+    monkeypatch.setattr(pipeline, "profile_stage", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline, "data_stage", data_stage)
+    monkeypatch.setattr(pipeline, "nas_defaults", lambda scale: {**pipeline.NAS_DEFAULTS, "deadline_s": 1200,
+                                                                 "after_training_s": 300, "pace_tokens_per_s": 125})
+    import decode.targets.loader as loader
+
+    monkeypatch.setattr(loader, "load_target", lambda *a, **k: SimpleNamespace(name="t"))
+    cfg = search.SearchConfig(target="tiny-llama", scale="demo", profile="p.json", corpus="none",
+                              cache_dir=str(tmp_path))
+    with pytest.raises(Stop):
+        search.prepare_inputs(cfg, started=0.0)
+    # 20000 tokens in 120 s (167 tokens/s) against 125: pace 0.75, 225 s set aside instead of 300
+    assert abs(seen[-1].pace - 0.75) < 1e-9 and abs(seen[-1].reserved() - 225) < 1e-6
+    with pytest.raises(Stop):
+        search.prepare_inputs(cfg, started=0.0)  # the held-out data reused: nothing built, nothing timed
+    assert seen[-1].pace == 1.0
 
 
 def test_training_loads_the_target_from_the_cache_it_is_given(tmp_path, monkeypatch):
