@@ -372,11 +372,10 @@ class Deadline:
 
 def built_tokens(folder: Path) -> int:
     """Tokens in the complete shards of a data folder (supernet.data's manifest; 0 where there is none yet)."""
-    try:
-        manifest = json.loads((Path(folder) / "manifest.json").read_text())
-        return sum(int(s.get("tokens", 0)) for s in manifest.get("shards", []) if s.get("complete"))
-    except (OSError, ValueError, AttributeError, TypeError):
-        return 0
+    from supernet.dataset import read_manifest
+
+    manifest = read_manifest(folder) or {}
+    return sum(int(s.get("tokens", 0)) for s in manifest.get("shards", []) if s.get("complete"))
 
 
 def supernet_stage(cfg: PipelineConfig, data_dir: Path, deadline: Deadline = Deadline()) -> Path:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from configs import config_dir
 from decode.datasets import PromptItem
+from decode.errors import UserError
 from decode.space import SearchSpace
 from supernet import checkpoint as ckpt
 from supernet.data import DataConfig, build_data
@@ -235,7 +236,7 @@ def test_the_deadline_paces_the_time_set_aside_after_training_by_the_heldout_sta
     """Deadline.paced: a machine that builds the held-out data faster than the reference machine (where after_s and
     confirm_s were measured) sets aside proportionally less for the stages after training, never under 0.7 and never
     more than measured; too little timed work, no reference or no deadline leave the pace at 1. built_tokens counts the
-    complete shards of a data folder's manifest."""
+    complete shards of a data folder's manifest (read by supernet.dataset.read_manifest)."""
     import time
 
     from nas.pipeline import Deadline, built_tokens
@@ -256,7 +257,8 @@ def test_the_deadline_paces_the_time_set_aside_after_training_by_the_heldout_sta
                                                                    {"tokens": 20, "complete": True}]}))
     assert built_tokens(tmp_path) == 320
     (tmp_path / "manifest.json").write_text("[1, 2")
-    assert built_tokens(tmp_path) == 0
+    with pytest.raises(UserError, match="delete the directory"):  # supernet.dataset.read_manifest's one-line error
+        built_tokens(tmp_path)
 
 
 def test_the_search_paces_its_deadline_by_the_heldout_stage_it_built(tmp_path, monkeypatch):
