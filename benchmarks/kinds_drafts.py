@@ -7,8 +7,10 @@ them side by side on held-out prompts the search never saw.
 Writes under --out one folder per contender that is not the exported design itself: `lookup` (the table's
 prompt-lookup row, a weightless checkpoint), `neural` (its best subnet alone) and `neural-lookup` (that
 subnet merged with lookup as the table's row) exported from the search's supernet with nas.export, and
-`eagle` (the EAGLE-like default subnet). The bench compares them with the exported design, the default
-prompt lookup, vanilla and transformers' generate / prompt lookup.
+`eagle` (the EAGLE-like default subnet), and where the search fine-tuned its best subnet, `neural-tuned` and
+`tuned-lookup` (the rows marked fine-tuned, with the weights of its OUT/finetune checkpoint). The bench
+compares them with the exported design, the default prompt lookup, vanilla and transformers' generate /
+prompt lookup.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from nas.export import main as export_main
 
 CONFIG = "draft_config.json"
 CONTENDERS = {"prompt lookup": "lookup", "prompt + corpus lookup": "corpus-lookup", "best neural": "neural",
-              "neural #1 + lookup": "neural-lookup", "EAGLE-like default": "eagle"}  # kinds-table label -> folder
+              "neural #1 + lookup": "neural-lookup", "EAGLE-like default": "eagle",
+              "best neural, fine-tuned": "neural-tuned", "fine-tuned + lookup": "tuned-lookup"}  # label -> folder
 
 
 def _row(rows: list[dict], label: str) -> dict | None:
@@ -37,6 +40,8 @@ def _row(rows: list[dict], label: str) -> dict | None:
 def _same_design(row: dict, chosen: dict) -> bool:
     """Whether a kinds-table row is the exported design (same kind, lookup settings and subnet)."""
     if row["kind"] != chosen.get("kind") or (row.get("lookup") or None) != (chosen.get("lookup") or None):
+        return False
+    if bool(row.get("tuned")) != ("finetune" in chosen.get("metadata", {})):
         return False
     return row["kind"] in ("prompt-lookup", "none") or json.loads(row["arch"]) == chosen.get("arch")
 
@@ -64,6 +69,8 @@ def main() -> None:
                                metadata={"source": str(args.search / "kinds.json"), "row": label})
         else:
             argv = ["--supernet", setup["supernet"], "--arch", row["arch"], "--out", str(folder)]
+            if row.get("tuned"):  # the weights the search fine-tuned (its OUT/finetune)
+                argv += ["--finetuned", str(args.search / "finetune")]
             if row.get("lookup"):
                 lk = LookupSpec(**row["lookup"])
                 fields = (lk.tree_depth, lk.max_ngram, lk.top_k, lk.weak_depth, lk.corpus_depth, lk.corpus_second,

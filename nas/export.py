@@ -12,7 +12,9 @@ arch, the target fingerprint (a draft refuses another target), and as metadata t
 profile, the predicted tau / speed-up, the study and trial it came from, and this export's config.
 
 --finetune-steps K first trains the chosen subnet alone for K sequences (nas/finetune.py) on the
-supernet's training data minus the held-out tail.
+supernet's training data minus the held-out tail; --finetuned DIR takes the weights a search fine-tuned
+instead (its OUT/finetune folder, written when the scale fine-tunes the best subnet), so a kinds-table row
+marked fine-tuned can be exported and benched beside the design.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ExportConfig:
     lookup: str | None = None  # "D:M:K[:W[:C]]": merge prompt lookup into the draft (kind neural+lookup)
     corpus: str | None = None  # the corpus file a lookup with a corpus branch (C > 0) carries
     merge: str = "union"  # union | switch (decode/drafts/merged.py)
+    finetuned: str | None = None  # a search's fine-tuning checkpoint (its OUT/finetune): the arch's weights from there
 
 
 def lookup_extra(text: str | None, merge: str) -> dict:
@@ -137,6 +140,40 @@ def replace_dir(tmp: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def load_finetuned(supernet: DraftSupernet, state: dict, supernet_path: str, arch: DraftArch, directory: str) -> dict:
+    """Put the weights of a search's fine-tuning checkpoint (nas.search's OUT/finetune, nas/finetune.py) into
+    `supernet`; -> what the export records. The checkpoint must have fine-tuned this very network (its tree may
+    differ: any tree runs on the same weights) from this very supernet, else the weights would be another's."""
+    from decode.space import TREE_FIELDS
+    from nas.loading import checkpoint_dir, supernet_digest
+    from supernet.checkpoint import STATE, load_weights, read_state
+
+    if not (Path(directory) / STATE).is_file():
+        raise UserError(f"--finetuned '{directory}' is not a fine-tuning checkpoint (no {STATE}); pass a search's "
+                        f"OUT/finetune folder")
+    try:
+        saved = read_state(Path(directory))
+    except json.JSONDecodeError as err:
+        raise UserError(f"--finetuned '{directory}': its {STATE} is not valid JSON ({err})") from None
+    identity = saved.get("identity") if isinstance(saved, dict) else None
+    if not isinstance(identity, dict) or "arch" not in identity:
+        raise UserError(f"--finetuned '{directory}' is not a fine-tuning checkpoint (its {STATE} has no identity); "
+                        f"pass a search's OUT/finetune folder")
+    tuned = {k: v for k, v in json.loads(identity["arch"]).items() if k not in TREE_FIELDS}
+    wanted = {k: v for k, v in arch.to_dict().items() if k not in TREE_FIELDS}
+    if tuned != wanted:
+        raise UserError(f"--finetuned '{directory}' fine-tuned another network ({json.dumps(tuned, sort_keys=True)}), "
+                        f"not this arch; export the arch it fine-tuned")
+    source = identity.get("run", {}).get("supernet")
+    if source is not None and source != supernet_digest(state, checkpoint_dir(supernet_path)):
+        raise UserError(f"--finetuned '{directory}' was fine-tuned from another supernet than '{supernet_path}' (or "
+                        f"the supernet changed since); pass the --supernet its search used")
+    load_weights(Path(directory), supernet)
+    extra_data = identity.get("run", {}).get("finetune_data", {}).get("dir")  # the target's own answers, if any
+    return {"checkpoint": str(Path(directory).resolve()), "steps": saved.get("step"), "seconds": saved.get("elapsed_s"),
+            "finetune_data": extra_data}
+
+
 def export_draft(supernet: DraftSupernet, arch: DraftArch, target: TargetModel, out: str | Path,
                  metadata: dict, extra: dict | None = None) -> Path:
     """Extract `arch` (weights copied), save it as a draft checkpoint, and check that it loads back.
@@ -162,6 +199,9 @@ def export(cfg: ExportConfig) -> Path:
         raise UserError("--trial needs --storage (the study's URL, e.g. sqlite:///out/nas-.../study.db)")
     if cfg.finetune_steps < 0:
         raise UserError(f"--finetune-steps must be >= 0, got {cfg.finetune_steps}")
+    if cfg.finetune_steps and cfg.finetuned:
+        raise UserError("give --finetune-steps (fine-tune now) or --finetuned DIR (weights fine-tuned before), "
+                        "not both")
     extra = lookup_extra(cfg.lookup, cfg.merge)
     uses_corpus = "lookup" in extra and LookupSpec(**extra["lookup"]).uses_corpus
     if uses_corpus and (cfg.corpus is None or not Path(cfg.corpus).is_file()):
@@ -176,6 +216,8 @@ def export(cfg: ExportConfig) -> Path:
                          cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None)
     supernet, state = load_supernet(cfg.supernet, target)
     supernet.space.validate(arch, supernet.entropy_layer, trees=False)  # any tree runs on its weights
+    if cfg.finetuned:
+        meta["finetune"] = load_finetuned(supernet, state, cfg.supernet, arch, cfg.finetuned)
     setup = meta.get("setup", {})
     meta.update(hardware=setup.get("hardware"), profile=setup.get("profile"),
                 supernet=str(Path(cfg.supernet).resolve()), export=asdict(cfg))
@@ -212,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="draft directory to write")
     p.add_argument("--finetune-steps", type=int, default=0, help="train the chosen subnet alone first (default: 0)")
     p.add_argument("--finetune-lr", type=float, default=3e-4, help="fine-tuning learning rate (default: 3e-4)")
+    p.add_argument("--finetuned", default=None, metavar="DIR",
+                   help="take the arch's weights from a search's fine-tuning checkpoint (its OUT/finetune folder, "
+                        "written when the search fine-tuned its best subnet) instead of the supernet's")
     p.add_argument("--data", default=None, help="fine-tuning data (default: the supernet's training data)")
     p.add_argument("--heldout", type=int, default=None,
                    help="last training sequences kept out of fine-tuning (default: the study's / supernet's)")
@@ -238,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                        finetune_lr=args.finetune_lr, heldout=args.heldout, data=args.data, target=args.target,
                        device=args.device, dtype=args.dtype,
                        cache_dir=str(args.cache_dir) if args.cache_dir else None, lookup=args.lookup, merge=args.merge,
-                       corpus=args.corpus)
+                       corpus=args.corpus, finetuned=args.finetuned)
     path = export(cfg)
     print(path)
     return 0

@@ -47,6 +47,22 @@ def read_supernet_state(path: str | Path) -> dict:
     return ckpt.read_state(checkpoint_dir(path))
 
 
+def supernet_digest(state: dict, checkpoint: str | Path, sequences: list[dict] = ()) -> str:
+    """A supernet checkpoint's identity (its state and the size and time of its weight files), and optionally
+    that of held-out sequences (their tokens): the key of stored tau sweeps and of a fine-tuning run."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode())
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for s in sequences:
+        h.update(s["input_ids"].numpy().tobytes())
+        h.update(str(int(s["prompt_len"])).encode())
+    return h.hexdigest()
+
+
 def load_supernet(path: str | Path, target: TargetModel) -> tuple[DraftSupernet, dict]:
     """The trained supernet of a checkpoint, attached to `target` (its device and dtype, eval); -> (supernet, state).
 

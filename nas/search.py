@@ -470,18 +470,10 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
 
 
 def sweep_key(inp: Inputs, sequences: list[dict]) -> str:
-    """What the stored sweeps depend on: the supernet's weights (its state and weight file) and the held-out
-    sequences (their tokens), not the hardware."""
-    import hashlib
+    """What the stored sweeps depend on: the supernet's weights and the held-out sequences, not the hardware."""
+    from nas.loading import supernet_digest
 
-    h = hashlib.sha256(json.dumps(inp.state, sort_keys=True, default=str).encode())
-    for f in sorted(Path(inp.checkpoint).glob("*.safetensors")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    for s in sequences:
-        h.update(s["input_ids"].numpy().tobytes())
-        h.update(str(int(s["prompt_len"])).encode())
-    return h.hexdigest()
+    return supernet_digest(inp.state, inp.checkpoint, sequences)
 
 
 def sweep_store(cfg: SearchConfig, inp: Inputs) -> Path | None:

@@ -838,6 +838,56 @@ def test_finetuning_warms_up_then_decays_its_learning_rate(assets, monkeypatch):
     assert used == pytest.approx([ft.finetune_lr(short, s) for s in range(4)]) and used[-1] == pytest.approx(1e-4)
 
 
+def test_a_fine_tuned_row_exports_with_the_weights_the_search_tuned(assets, tmp_path, monkeypatch):
+    """`nas.export --finetuned OUT/finetune` writes the subnet with the weights the search fine-tuned and scored
+    (benchmarks/kinds_drafts.py benches the rows marked fine-tuned that way); a checkpoint of another network or
+    of another supernet, or a folder that is no fine-tuning checkpoint, is refused with one line."""
+    tuned_nets: list = []
+    real = search_mod.finetune_best
+
+    def keeping(*a, **kw):
+        net, info = real(*a, **kw)
+        tuned_nets.append(net)
+        return net, info
+
+    monkeypatch.setattr(search_mod, "finetune_best", keeping)
+    out = tmp_path / "run"
+    run_search(_cfg(assets, out, study_name="ft", finetune_steps=3, export=False))
+    rows = {r["label"]: r for r in json.loads((out / "kinds.json").read_text())["rows"]}
+    row = rows["best neural, fine-tuned"]
+    assert row["tuned"] and len(tuned_nets) == 1
+    target = tiny_target(TARGET)
+    base = ["--supernet", assets["supernet"], "--arch", row["arch"], "--device", "cpu", "--dtype", "float32"]
+    assert export_main([*base, "--out", str(tmp_path / "tuned"), "--finetuned", str(out / "finetune")]) == 0
+    assert export_main([*base, "--out", str(tmp_path / "plain")]) == 0
+    tuned, plain = make_draft(str(tmp_path / "tuned"), target), make_draft(str(tmp_path / "plain"), target)
+    want = tuned_nets[0].extract(DraftArch.from_json(row["arch"]), target).state_dict()
+    got, before = tuned.model.state_dict(), plain.model.state_dict()
+    assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
+    assert any(not torch.equal(got[k], before[k]) for k in got)  # fine-tuning moved them: not the supernet's
+    assert tuned.model.metadata["finetune"]["steps"] == 3
+    prompt = tiny_prompt(target)
+    assert speculative_generate(target, tuned, prompt, 16).tokens == vanilla_generate(target, prompt, 16).tokens
+
+    other = json.loads(row["arch"])
+    other["heads"] = [1 if h != 1 else 2 for h in other["heads"]]  # the tiny space's heads: 1, 2, 4
+    moved = tmp_path / "sn-copy"
+    import shutil
+
+    shutil.copytree(assets["supernet"], moved)
+    for f in moved.glob("*.safetensors"):
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))  # the weights changed since
+    cases = [(["--arch", json.dumps(other)], "fine-tuned another network"),
+             (["--supernet", str(moved)], "another supernet"),
+             (["--finetuned", assets["supernet"]], "not a fine-tuning checkpoint"),
+             (["--finetuned", str(tmp_path / "nowhere")], "not a fine-tuning checkpoint"),
+             (["--finetune-steps", "2"], "not both")]
+    for extra, message in cases:
+        argv = [*base, "--out", str(tmp_path / "x"), "--finetuned", str(out / "finetune"), *extra]
+        with pytest.raises(UserError, match=message):
+            export_main(argv)
+
+
 def test_finetuning_resumes_bit_exact_after_a_kill(assets, tmp_path, monkeypatch, caplog):
     """Fine-tuning at cpu scale takes 18 minutes: killed after its step 3 with a checkpoint every 2 steps, a rerun
     trains steps 2-4 again only and ends with the weights of an uninterrupted run; a finished run is restored
