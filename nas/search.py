@@ -449,8 +449,9 @@ def choose_kind(cfg: SearchConfig, inp: Inputs, done, source, latency, context: 
     steps = finetune_steps(cfg, inp.defaults)
     asked = cfg.finetune_steps is not None or cfg.finetune_minutes is not None  # asked for by flag: always run
     if steps and not done.empty and not asked and not finetune_may_pay(rows):  # on the confirmed rows
-        logger.warning("fine-tuning skipped: the best neural design, even %.0f%% faster, would trail the best "
-                       "training-free one on %s (--finetune-steps N runs it anyway)", 100 * FINETUNE_GAIN, hardware)
+        logger.warning("fine-tuning skipped: the best neural design, even %.0f%% faster (%.0f%% merged with lookup), "
+                       "would trail the best training-free one on %s (--finetune-steps N runs it anyway)",
+                       100 * FINETUNE_GAIN["neural"], 100 * FINETUNE_GAIN["neural+lookup"], hardware)
     elif steps and not done.empty:
         best = DraftArch.from_json(done.iloc[0]["arch"])
         ensure_finetune_data(inp)
