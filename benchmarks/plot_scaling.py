@@ -5,8 +5,8 @@
 
 Columns: curve, train_s, and one `tau_<depth>x<topk>_<total>` column per tree (as `python -m nas.ablation
 --scaling-csv` writes them; other columns are ignored). One colour per curve (e.g. a: the EAGLE-like subnet
-of the supernet, b: the NAS-chosen subnet, c: the EAGLE-like arch trained alone), the first tree solid and
-the others dashed; rows without a tree's tau are left out of that line.
+of the supernet, b: the NAS-chosen subnet, c: the EAGLE-like arch trained alone), each tree its own line
+style and marker (solid, dashed, dotted, dash-dotted); rows without a tree's tau are left out of that line.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import csv
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+STYLES = ("o-", "s--", "^:", "d-.")  # one line style and marker per tree, in the CSV's column order
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +46,7 @@ def main(argv: list[str]) -> int:
                 pts = [(float(r[col]) * scale, float(r[tree])) for r in rows if r.get(tree)]
                 if pts:
                     label = tree[4:].replace("_", "/")
-                    ax.plot(*zip(*pts), "o-" if j == 0 else "s--", color=f"C{i}", alpha=1.0 if j == 0 else 0.6,
+                    ax.plot(*zip(*pts), STYLES[j % len(STYLES)], color=f"C{i}", alpha=1.0 if j == 0 else 0.7,
                             label=f"{name} ({label})")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out exact greedy tau")
