@@ -97,7 +97,7 @@ def finetune_may_pay(rows: list[dict], gain: dict[str, float] | None = None) -> 
     kind's gain (FINETUNE_GAIN), would reach the best training-free row."""
     gain = FINETUNE_GAIN if gain is None else gain
     reach = [r["speedup"] * (1 + gain[r["kind"]]) for r in rows if r["kind"] in gain]
-    free = [r["speedup"] for r in rows if r["kind"] not in ("neural", "neural+lookup")]
+    free = [r["speedup"] for r in rows if r["kind"] not in gain]
     return bool(reach) and max(reach) >= max(free, default=0.0)
 
 

@@ -145,7 +145,7 @@ def load_finetuned(supernet: DraftSupernet, state: dict, supernet_path: str, arc
     `supernet`; -> what the export records. The checkpoint must have fine-tuned this very network (its tree may
     differ: any tree runs on the same weights) from this very supernet, else the weights would be another's."""
     from decode.space import TREE_FIELDS
-    from nas.loading import checkpoint_dir, supernet_digest
+    from nas.loading import supernet_digest
     from supernet.checkpoint import STATE, load_weights, read_state
 
     if not (Path(directory) / STATE).is_file():
@@ -165,7 +165,7 @@ def load_finetuned(supernet: DraftSupernet, state: dict, supernet_path: str, arc
         raise UserError(f"--finetuned '{directory}' fine-tuned another network ({json.dumps(tuned, sort_keys=True)}), "
                         f"not this arch; export the arch it fine-tuned")
     source = identity.get("run", {}).get("supernet")
-    if source is not None and source != supernet_digest(state, checkpoint_dir(supernet_path)):
+    if source is not None and source != supernet_digest(state, supernet_path):
         raise UserError(f"--finetuned '{directory}' was fine-tuned from another supernet than '{supernet_path}' (or "
                         f"the supernet changed since); pass the --supernet its search used")
     load_weights(Path(directory), supernet)

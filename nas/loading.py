@@ -49,12 +49,13 @@ def read_supernet_state(path: str | Path) -> dict:
 
 def supernet_digest(state: dict, checkpoint: str | Path, sequences: list[dict] = ()) -> str:
     """A supernet checkpoint's identity (its state and the size and time of its weight files), and optionally
-    that of held-out sequences (their tokens): the key of stored tau sweeps and of a fine-tuning run."""
+    that of held-out sequences (their tokens): the key of stored tau sweeps and of a fine-tuning run. `checkpoint`
+    is either form load_supernet accepts (the checkpoint folder or the training folder above it): both give one key."""
     import hashlib
     import json
 
     h = hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode())
-    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+    for f in sorted(checkpoint_dir(checkpoint).glob("*.safetensors")):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     for s in sequences:

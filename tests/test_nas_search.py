@@ -865,6 +865,9 @@ def test_a_fine_tuned_row_exports_with_the_weights_the_search_tuned(assets, tmp_
     base = ["--supernet", assets["supernet"], "--arch", row["arch"], "--device", "cpu", "--dtype", "float32"]
     assert export_main([*base, "--out", str(tmp_path / "tuned"), "--finetuned", str(out / "finetune")]) == 0
     assert export_main([*base, "--out", str(tmp_path / "plain")]) == 0
+    train_dir = str(Path(assets["supernet"]).parent)  # the training folder above checkpoint/: the same supernet
+    assert export_main([*base, "--supernet", train_dir, "--out", str(tmp_path / "via-train-dir"),
+                        "--finetuned", str(out / "finetune")]) == 0
     tuned, plain = make_draft(str(tmp_path / "tuned"), target), make_draft(str(tmp_path / "plain"), target)
     want = tuned_nets[0].extract(DraftArch.from_json(row["arch"]), target).state_dict()
     got, before = tuned.model.state_dict(), plain.model.state_dict()
